@@ -1,0 +1,82 @@
+"""Whole-step CUDA graphs: capture ``fn(**inputs)`` once per input signature, then replay it.
+
+One replay launches every TensorRT engine and every PyTorch op of the step (attention included), so
+the ~100 launches per step cost one. Graphs share one memory pool; ``reset()`` drops them (after a
+refit or rebuild, since captured launches point at the old engines).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CUDAGraphRunner:
+    """Replays ``fn`` from CUDA graphs keyed by the inputs' shapes and dtypes.
+
+    fn: takes tensor keyword arguments, returns one tensor (no host sync, no data-dependent shapes).
+    max_graphs: least-recently-used graphs beyond this are dropped.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 8, warmup: int = 2):
+        self.fn = fn
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self.graphs: OrderedDict = OrderedDict()
+        self.pool = None
+        self.captures = 0
+        self.failures: dict[tuple, str] = {}  # input signatures that cannot be captured, and why
+
+    @staticmethod
+    def key(inputs: dict[str, torch.Tensor]) -> tuple:
+        return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(inputs.items()))
+
+    def reset(self) -> None:
+        self.graphs.clear()
+
+    def _capture(self, inputs: dict[str, torch.Tensor]):
+        static = {k: v.clone() for k, v in inputs.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):  # lazy builds, JIT kernels and allocations happen here
+                self.fn(**static)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(**static)
+        self.captures += 1
+        logger.info("captured a CUDA graph for %s", {k: tuple(v.shape) for k, v in inputs.items()})
+        return graph, static, out
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        k = self.key(inputs)
+        if k in self.failures:
+            return self.fn(**inputs)
+        entry = self.graphs.get(k)
+        if entry is None:
+            try:
+                entry = self.graphs[k] = self._capture(inputs)
+            except RuntimeError as e:  # e.g. a host-to-device copy inside the step: run without a graph
+                self.failures[k] = f"{type(e).__name__}: {e}"[:300]
+                logger.warning(
+                    "CUDA graph capture failed for this input shape, running without: %s", self.failures[k]
+                )
+                torch.cuda.synchronize()
+                return self.fn(**inputs)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(k)
+        graph, static, out = entry
+        for name, v in inputs.items():
+            static[name].copy_(v)
+        graph.replay()
+        return out.clone()

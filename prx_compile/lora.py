@@ -1,0 +1,373 @@
+"""LoRA for the PRX transformer — eager or compiled — with exact fuse/unfuse and engine refit.
+
+    load_lora(model, "style.safetensors", "style", scale=0.8)   # fuse into the weights (refit if compiled)
+    set_lora(model, ["style", "detail"], [0.8, 0.5])             # switch / mix adapters
+    unload_lora(model)                                           # the original weights, bit for bit
+
+``model`` is a PRXTransformer2DModel, a CompiledTransformer, or a PRXPipeline (its transformer).
+Fused weights are always recomputed from an exact copy of the originals,
+``W = W0 + sum_a scale_a * alpha_a/r_a * B_a @ A_a`` (fp32, then the weight dtype), so switching
+A -> B -> A gives exactly A and unloading restores W0. On a compiled module only the engine weights
+that changed are refit: no re-export, no rebuild. Bad input raises ``LoRAError`` before anything
+changes.
+
+File layouts: diffusers/PEFT (``<module>.lora_A.weight``, ``<module>.lora_B.weight``, optional
+``transformer.`` / ``base_model.model.`` prefix, optional ``<module>.alpha``) and kohya
+(``lora_unet_<module_with_underscores>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import LoRAError
+
+_PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
+_KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")
+_ALPHA = re.compile(r"^(?P<mod>.+?)\.alpha$")
+_PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "diffusion_model.")
+_KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+_FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+
+
+@dataclass
+class LoRALayer:
+    """One linear layer's update ``scale * up @ down``: down (r, in), up (out, r), fp32."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
+
+    def delta(self) -> torch.Tensor:
+        return (self.up @ self.down) * self.scale
+
+
+@dataclass
+class Adapter:
+    name: str
+    layers: dict[str, LoRALayer]  # Linear module FQN -> update
+    unmatched: list[str] = field(default_factory=list)
+    source: str = ""
+
+
+@dataclass
+class LoRAState:
+    """Kept on the transformer as ``_prx_lora``: exact originals, loaded adapters, active scales."""
+
+    originals: dict[str, torch.Tensor] = field(default_factory=dict)  # weight FQN -> exact copy
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    active: dict[str, float] = field(default_factory=dict)
+    fused: set[str] = field(default_factory=set)  # weight FQNs that currently differ from the originals
+
+
+# -- reading -----------------------------------------------------------------------------------
+def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | None]:
+    """Tensors of a LoRA safetensors file (or a directory holding one) and PEFT's alpha/r if given."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    peft_scale = None
+    if p.is_dir():
+        cfg = p / "adapter_config.json"
+        if cfg.is_file():
+            c = json.loads(cfg.read_text())
+            if c.get("lora_alpha") and c.get("r"):
+                peft_scale = float(c["lora_alpha"]) / float(c["r"])
+        found = [p / f for f in _FILES if (p / f).is_file()]
+        if not found:
+            raise LoRAError(f"{p} holds no LoRA file (looked for {list(_FILES)}).")
+        p = found[0]
+    if not p.is_file():
+        raise LoRAError(f"LoRA file {p} does not exist.")
+    try:
+        return load_file(str(p)), peft_scale
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoRAError(
+            f"{p} is not a safetensors LoRA file ({e}).", "LoRAs load from .safetensors only."
+        ) from e
+
+
+def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def parse_lora(
+    state_dict: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    name: str,
+    *,
+    strict: bool = True,
+    default_scale: float | None = None,
+    source: str = "",
+) -> Adapter:
+    """Map LoRA tensors to the model's Linear layers and check every shape.
+
+    Raises LoRAError for: no LoRA keys at all, a layer with only one of its two matrices, unknown
+    layers (when ``strict``), shape or rank mismatches. ``unmatched`` lists what ``strict=False``
+    skipped.
+    """
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise LoRAError(f"LoRA {name!r}: expected a dict of tensors.")
+    linears = _linear_names(model)
+    by_underscore = {n.replace(".", "_"): n for n in linears}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    alphas: dict[str, float] = {}
+    unmatched: list[str] = []
+    kohya = any(_KOHYA.match(k) for k in state_dict)
+    if not kohya and not any(_PEFT.match(k) for k in state_dict):
+        raise LoRAError(
+            f"LoRA {name!r} ({source or 'state dict'}) has no lora_A/lora_B or lora_down/lora_up "
+            "weights: it is not a LoRA."
+        )
+    for key, t in state_dict.items():
+        m = (_KOHYA if kohya else _PEFT).match(key)
+        a = _ALPHA.match(key) if m is None else None
+        if m is None and a is None:
+            unmatched.append(key)
+            continue
+        mod = _module_name(m["mod"] if m else a["mod"], kohya, linears, by_underscore)
+        if mod is None:
+            unmatched.append(key)
+            continue
+        if a is not None:
+            alphas[mod] = float(t.float().reshape(-1)[0])
+        else:
+            parts.setdefault(mod, {})["down" if m["part"] in ("A", "down") else "up"] = t
+    if unmatched and strict:
+        raise LoRAError(
+            f"LoRA {name!r}: {len(unmatched)} key(s) match no Linear layer of the PRX transformer, "
+            f"e.g. {unmatched[:5]}.",
+            "pass strict=False to skip them (they are reported).",
+        )
+    layers = {}
+    for mod, p in sorted(parts.items()):
+        if set(p) != {"down", "up"}:
+            missing = "lora_B/lora_up" if "down" in p else "lora_A/lora_down"
+            raise LoRAError(f"LoRA {name!r}: layer {mod} has no {missing} matrix.")
+        down, up, lin = p["down"], p["up"], linears[mod]
+        if down.dim() != 2 or up.dim() != 2:
+            raise LoRAError(
+                f"LoRA {name!r}: layer {mod} matrices must be 2-D, got {tuple(down.shape)} and "
+                f"{tuple(up.shape)}."
+            )
+        if down.shape[0] != up.shape[1]:
+            raise LoRAError(
+                f"LoRA {name!r}: layer {mod} rank mismatch: down/A has rank {down.shape[0]}, "
+                f"up/B has rank {up.shape[1]}."
+            )
+        if down.shape[1] != lin.in_features or up.shape[0] != lin.out_features:
+            raise LoRAError(
+                f"LoRA {name!r}: layer {mod} expects A ({down.shape[0]}, {lin.in_features}) and "
+                f"B ({lin.out_features}, {up.shape[1]}), got {tuple(down.shape)} and {tuple(up.shape)}."
+            )
+        rank = down.shape[0]
+        scale = alphas[mod] / rank if mod in alphas else (default_scale if default_scale is not None else 1.0)
+        dev = lin.weight.device
+        layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
+    if not layers:
+        raise LoRAError(
+            f"LoRA {name!r}: no layer of the PRX transformer matched.", f"first keys: {unmatched[:5]}"
+        )
+    return Adapter(name, layers, unmatched, source)
+
+
+def _module_name(raw: str, kohya: bool, linears: dict, by_underscore: dict) -> str | None:
+    if kohya:
+        for p in _KOHYA_PREFIXES:
+            if raw.startswith(p):
+                return by_underscore.get(raw[len(p) :])
+        return by_underscore.get(raw)
+    for p in ("",) + _PREFIXES:
+        if raw.startswith(p) and raw[len(p) :] in linears:
+            return raw[len(p) :]
+    return None
+
+
+# -- applying ----------------------------------------------------------------------------------
+def _target(model: Any):
+    """(transformer holding the weights, compiled module or None) for a model/compiled/pipeline."""
+    from .module import CompiledTransformer
+
+    model = getattr(model, "transformer", model) if not isinstance(model, CompiledTransformer) else model
+    if isinstance(model, CompiledTransformer):
+        return model.transformer, model
+    if not isinstance(model, torch.nn.Module):
+        raise LoRAError(
+            f"cannot apply a LoRA to a {type(model).__name__}.",
+            "pass a PRX transformer, a CompiledTransformer or a PRXPipeline.",
+        )
+    return model, None
+
+
+def _state(transformer: torch.nn.Module) -> LoRAState:
+    state = transformer.__dict__.get("_prx_lora")
+    if state is None:
+        state = LoRAState()
+        transformer.__dict__["_prx_lora"] = state
+    return state
+
+
+def _weights_for(
+    transformer, state: LoRAState, active: dict[str, float], touched: set[str]
+) -> dict[str, torch.Tensor]:
+    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified)."""
+    params = dict(transformer.named_parameters())
+    out = {}
+    for fqn in sorted(touched):
+        w0 = state.originals.get(fqn, params[fqn].detach())
+        mod = fqn.rsplit(".", 1)[0]
+        acc = None
+        for name in sorted(active):
+            layer = state.adapters[name].layers.get(mod)
+            if layer is not None and active[name] != 0.0:
+                d = layer.delta() * active[name]
+                acc = d if acc is None else acc + d
+        out[fqn] = w0.clone() if acc is None else (w0.float() + acc).to(w0.dtype)
+    return out
+
+
+def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) -> dict[str, Any]:
+    """Fuse ``active`` into the weights (from the originals) and refit; roll back if refit fails."""
+    params = dict(transformer.named_parameters())
+    wanted = {f"{m}.weight" for n in active for m in state.adapters[n].layers}
+    touched = wanted | state.fused
+    for fqn in touched:
+        if fqn not in state.originals:
+            state.originals[fqn] = params[fqn].detach().clone()
+    new = _weights_for(transformer, state, active, touched)
+    previous = {fqn: params[fqn].detach().clone() for fqn in touched} if compiled is not None else None
+    with torch.no_grad():
+        for fqn, w in new.items():
+            params[fqn].copy_(w)
+    report: dict[str, Any] = {"changed": len(touched)}
+    if compiled is not None and touched:
+        try:
+            report["refit"] = compiled.weights_changed(sorted(touched))
+        except Exception:
+            with torch.no_grad():
+                for fqn, w in previous.items():
+                    params[fqn].copy_(w)
+            compiled.weights_changed(sorted(touched))
+            raise
+    state.active = dict(active)
+    state.fused = {f for f in touched if f in wanted}
+    return report
+
+
+def load_lora(
+    model: Any,
+    lora: str | Path | dict[str, torch.Tensor],
+    name: str,
+    scale: float = 1.0,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a LoRA as adapter ``name`` and activate it (with the adapters already active) at ``scale``.
+
+    Returns {"adapter", "layers", "unmatched", "changed", "refit"?}. Raises LoRAError, leaving the model
+    as it was, on a bad file, unknown layers (``strict``), shape/rank mismatches or a taken name.
+    """
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    if name in state.adapters:
+        raise LoRAError(
+            f"an adapter named {name!r} is already loaded.", "unload_lora() first, or use another name."
+        )
+    peft_scale, source = None, "state dict"
+    if isinstance(lora, (str, Path)):
+        source = str(lora)
+        lora, peft_scale = read_lora_file(lora)
+    adapter = parse_lora(lora, transformer, name, strict=strict, default_scale=peft_scale, source=source)
+    state.adapters[name] = adapter
+    try:
+        report = _apply(transformer, compiled, state, {**state.active, name: float(scale)})
+    except Exception:
+        del state.adapters[name]
+        raise
+    return {"adapter": name, "layers": len(adapter.layers), "unmatched": adapter.unmatched, **report}
+
+
+def set_lora(model: Any, names: str | list[str], scales: float | list[float] | None = None) -> dict[str, Any]:
+    """Make exactly ``names`` active, with ``scales`` (one per name, or one for all; default 1.0)."""
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    names = [names] if isinstance(names, str) else list(names)
+    if scales is None:
+        scales = [1.0] * len(names)
+    elif isinstance(scales, (int, float)):
+        scales = [float(scales)] * len(names)
+    if len(scales) != len(names):
+        raise LoRAError(f"set_lora got {len(names)} names and {len(scales)} scales.")
+    unknown = [n for n in names if n not in state.adapters]
+    if unknown:
+        raise LoRAError(f"no adapter named {unknown} is loaded.", f"loaded: {sorted(state.adapters)}.")
+    return _apply(transformer, compiled, state, dict(zip(names, map(float, scales), strict=True)))
+
+
+def unload_lora(model: Any) -> dict[str, Any]:
+    """Drop every adapter and restore the original weights bit for bit (and refit)."""
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    report = _apply(transformer, compiled, state, {})
+    state.adapters.clear()
+    state.originals.clear()
+    return report
+
+
+def summary(model: Any) -> dict[str, Any] | None:
+    """Loaded adapters, their layer counts and the active scales (None without LoRA)."""
+    transformer, _ = _target(model)
+    state = transformer.__dict__.get("_prx_lora")
+    if state is None or not state.adapters:
+        return None
+    return {
+        "adapters": {n: {"layers": len(a.layers), "source": a.source} for n, a in state.adapters.items()},
+        "active": dict(state.active),
+    }
+
+
+def make_random_lora(
+    model: torch.nn.Module,
+    rank: int = 4,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    targets: tuple[str, ...] = (
+        "img_qkv_proj",
+        "txt_kv_proj",
+        "to_out.0",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    layout: str = "peft",
+    alpha: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """A random LoRA state dict for the model's attention and MLP linears (tests, demos, benchmarks).
+
+    layout "peft": ``transformer.<module>.lora_A.weight``; "kohya": ``lora_unet_<module>.lora_down.weight``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for n, m in _linear_names(model).items():
+        if not any(n.endswith(t) for t in targets):
+            continue
+        a = torch.randn(rank, m.in_features, generator=g) * std
+        b = torch.randn(m.out_features, rank, generator=g) * std
+        if layout == "kohya":
+            k = "lora_unet_" + n.replace(".", "_")
+            sd[f"{k}.lora_down.weight"], sd[f"{k}.lora_up.weight"] = a, b
+            if alpha is not None:
+                sd[f"{k}.alpha"] = torch.tensor(alpha)
+        else:
+            sd[f"transformer.{n}.lora_A.weight"], sd[f"transformer.{n}.lora_B.weight"] = a, b
+            if alpha is not None:
+                sd[f"transformer.{n}.alpha"] = torch.tensor(alpha)
+    return sd

@@ -1,0 +1,120 @@
+"""PyTorch-level lowering rules that make an exported PRX graph TensorRT-friendly.
+
+Each rule lives in its own file, has the signature ``(gm, settings) -> gm``, rewrites only what it
+can prove exact (anything else is left as is and logged at debug level) and logs how many nodes it
+rewrote. The pass order is the explicit list ``RULES``.
+
+    >>> ep = torch.export.export(model, (), kwargs)
+    >>> gm = prx_compile.lowering.lower(ep.module())                  # form (b): flash attention op
+    >>> gm = prx_compile.lowering.lower(ep.module(), LoweringSettings(attention="tensorrt"))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from . import attention, fold, select, unfold
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_FORMS = ("flash", "tensorrt")
+
+
+@dataclass(frozen=True)
+class LoweringSettings:
+    """What the rules emit.
+
+    attention: ``"flash"`` — masked/joint attention becomes a ``prx_compile`` op kept in PyTorch
+        between TensorRT engines (fast, exact); ``"tensorrt"`` — it is decomposed into
+        matmul/softmax inside TensorRT (one engine, slower attention).
+    joint_attention: with ``"flash"``, recognise ``cat([text, image])`` keys under a text mask and
+        emit ``joint_attention`` (dense flash over image keys + log-sum-exp merge) instead of the
+        generic ``flash_attention``.
+    select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
+    """
+
+    attention: str = "flash"
+    joint_attention: bool = True
+    select_as_slice: bool = True
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_FORMS:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"LoweringSettings.attention={self.attention!r} is not one of {ATTENTION_FORMS}.",
+                "use 'flash' (attention between engines) or 'tensorrt' (one engine).",
+            )
+
+    def marker(self) -> str:
+        """These settings as a string that travels inside Torch-TensorRT's ``torch_executed_ops``
+        (it matches no op), so a refit's re-lowering uses exactly the build's rules."""
+        return (
+            f"prx_compile.lowering(attention={self.attention},joint_attention={int(self.joint_attention)},"
+            f"select_as_slice={int(self.select_as_slice)})"
+        )
+
+    @classmethod
+    def from_marker(cls, marker: str) -> LoweringSettings:
+        body = marker[marker.index("(") + 1 : marker.rindex(")")]
+        kv = dict(item.split("=") for item in body.split(","))
+        return cls(
+            attention=kv["attention"],
+            joint_attention=kv["joint_attention"] == "1",
+            select_as_slice=kv["select_as_slice"] == "1",
+        )
+
+
+Rule = Callable[[fx.GraphModule, LoweringSettings], fx.GraphModule]
+
+#: name -> rule, applied in this order by ``lower``. Each rule's docstring says what it matches/emits.
+RULES: dict[str, Rule] = {}
+
+
+def register_rule(name: str) -> Callable[[Rule], Rule]:
+    """Decorator: add ``rule`` to ``RULES`` under ``name`` (names are unique)."""
+
+    def deco(rule: Rule) -> Rule:
+        if name in RULES:
+            raise ValueError(f"a lowering rule named {name!r} is already registered")
+        RULES[name] = rule
+        return rule
+
+    return deco
+
+
+register_rule("unfold")(unfold.rule)
+register_rule("fold")(fold.rule)
+register_rule("attention")(attention.rule)
+register_rule("select")(select.rule)
+
+
+def lower(gm: fx.GraphModule, settings: LoweringSettings | None = None) -> fx.GraphModule:
+    """Apply every rule in ``RULES`` to an ATen-level GraphModule (as ``torch.export`` makes it).
+
+    Args:
+        gm: ``ExportedProgram.module()`` or ``ExportedProgram.graph_module``; rewritten in place.
+        settings: which forms the rules emit (default: ``LoweringSettings()``, flash attention).
+
+    Returns:
+        ``gm``, its graph linted and recompiled.
+    """
+    settings = settings or LoweringSettings()
+    for rule in RULES.values():
+        gm = rule(gm, settings)
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_impure(node: fx.Node) -> bool:
+    # Keep placeholders, outputs and side effects; sym_size nodes left unused by a rule can go.
+    return node.op in ("placeholder", "output") or node.is_impure()
+
+
+__all__ = ["lower", "RULES", "register_rule", "LoweringSettings", "ATTENTION_FORMS"]

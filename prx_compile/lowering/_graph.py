@@ -1,0 +1,113 @@
+"""Helpers shared by the lowering rules: emit ATen nodes with correct fake metadata.
+
+Every node a rule inserts gets ``meta["val"]`` computed by running the op on the fake values of its
+inputs, in the graph's own FakeTensorMode and ShapeEnv. Shapes stay symbolic where the export made them
+dynamic, so Torch-TensorRT sees the same dynamic ranges after lowering as before.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+
+
+def fake_value(arg: Any) -> Any:
+    """The fake value behind an FX argument (node -> meta['val']; lists recurse; others unchanged)."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(fake_value(a) for a in arg)
+    return arg
+
+
+def has_fake_values(*nodes: fx.Node) -> bool:
+    """True when every node carries a tensor meta['val'] (exported graphs do; symbolic_trace does not)."""
+    return all(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in nodes)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """True only when a == b is provable (ints or SymInts), without adding guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def known_divisible(a: Any, b: int) -> bool:
+    """True only when a % b == 0 is provable."""
+    if isinstance(a, int):
+        return a % b == 0
+    return statically_known_true(a % b == 0)
+
+
+class Emitter:
+    """Inserts nodes before ``anchor`` and fills their fake metadata.
+
+    ``size`` and the arithmetic helpers return plain ints when a size is static and ``sym_size`` /
+    ``operator`` nodes (exactly what torch.export emits) when it is symbolic.
+    """
+
+    def __init__(self, gm: fx.GraphModule, anchor: fx.Node):
+        self.graph = gm.graph
+        self.anchor = anchor
+        val = anchor.meta.get("val")
+        vals = [fake_value(a) for a in anchor.all_input_nodes] + [val]
+        self.fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, tuple(args), kwargs)
+        fargs, fkwargs = fake_value(list(args)), {k: fake_value(v) for k, v in kwargs.items()}
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*fargs, **fkwargs)
+        else:
+            node.meta["val"] = target(*fargs, **fkwargs)
+        if "stack_trace" in self.anchor.meta:
+            node.meta["stack_trace"] = self.anchor.meta["stack_trace"]
+        return node
+
+    def size(self, x: fx.Node, dim: int) -> Any:
+        """x.shape[dim] as an int, or a ``sym_size`` node when it is symbolic."""
+        s = x.meta["val"].shape[dim]
+        if isinstance(s, int):
+            return s
+        return self.call(aten.sym_size.int, x, dim % x.meta["val"].dim())
+
+    def _arith(self, op: Any, a: Any, b: Any) -> Any:
+        if isinstance(a, int) and isinstance(b, int):
+            return op(a, b)
+        return self.call(op, a, b)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        if isinstance(a, int) and a == 1:
+            return b
+        if isinstance(b, int) and b == 1:
+            return a
+        return self._arith(operator.mul, a, b)
+
+    def add(self, a: Any, b: Any) -> Any:
+        if isinstance(b, int) and b == 0:
+            return a
+        return self._arith(operator.add, a, b)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        if isinstance(b, int) and b == 0:
+            return a
+        return self._arith(operator.sub, a, b)
+
+    def floordiv(self, a: Any, b: Any) -> Any:
+        if isinstance(b, int) and b == 1:
+            return a
+        return self._arith(operator.floordiv, a, b)
+
+
+def replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:
+    """Point every user of ``old`` at ``new`` and erase ``old``."""
+    old.replace_all_uses_with(new)
+    gm.graph.erase_node(old)

@@ -1,0 +1,199 @@
+"""Custom operators that lowering rules emit and that stay in PyTorch, between TensorRT engines.
+
+* ``torch.ops.prx_compile.joint_attention`` — PRX's attention: queries over [masked text keys;
+  image keys]. A dense kernel over the image keys plus a small masked kernel over the text keys,
+  merged exactly by log-sum-exp.
+* ``torch.ops.prx_compile.flash_attention`` — attention under any (B, Lk) key mask.
+
+Both take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
+kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_LIB = "prx_compile"
+aten = torch.ops.aten
+
+JOINT_IMPLS = ("auto", "cudnn+cudnn", "cudnn+efficient", "cudnn+varlen", "fa2+efficient", "fa2+varlen")
+#: Measured on the H200 (benchmarks/results/attention_kernels.json): cuDNN's dense kernel runs 4096x4096
+#: tokens 1.6x faster than FA2, and cuDNN with a bias is the fastest for the small masked text part.
+DEFAULT_JOINT_IMPL = "cudnn+cudnn"
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Exact PyTorch attention in (B, L, H, D) layout; a row with every key masked gives 0."""
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, None, None, :]
+        if mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    if key_mask is not None and key_mask.dtype != torch.bool:
+        # An additive mask of -inf everywhere: PyTorch gives 0 on some kernels, NaN on others.
+        dead = torch.isneginf(key_mask).all(dim=-1)[:, None, None, None]
+        out = out.masked_fill(dead, 0.0)
+    return out.transpose(1, 2)
+
+
+def _flash_supported(q: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def _lse_bhq(lse: torch.Tensor, b: int, h: int, lq: int) -> torch.Tensor:
+    """A kernel's log-sum-exp in any of its layouts -> (B, H, Lq) fp32."""
+    if lse.dim() == 2:  # varlen flash: (H, B*Lq)
+        return lse.view(h, b, lq).transpose(0, 1)
+    if lse.dim() == 4:  # cuDNN: (B, H, Lq, 1)
+        lse = lse[..., 0]
+    return lse[:, :, :lq]  # memory-efficient kernel pads Lq to a multiple of 32
+
+
+def _varlen_keys_first(q, k, v, mask, scale):
+    """Varlen flash attention with each row's kept keys packed first; padded keys are never read.
+
+    Attention is invariant under a permutation of its keys: a stable argsort puts the kept keys first
+    (one row gather, no host sync) and ``seqused_k`` tells the kernel how many each row has. A row
+    with no kept key gets 0 from the kernel (checked on the H200). Returns (out, lse (B, H, Lq)).
+    """
+    b, lq, h, d = q.shape
+    lk = k.shape[1]
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    flat = (order + torch.arange(b, device=q.device)[:, None] * lk).reshape(-1)
+    cu_q = torch.arange(0, (b + 1) * lq, lq, device=q.device, dtype=torch.int32)
+    cu_k = torch.arange(0, (b + 1) * lk, lk, device=q.device, dtype=torch.int32)
+    out, lse = aten._flash_attention_forward(
+        q.reshape(b * lq, h, d),
+        k.reshape(b * lk, h, d).index_select(0, flat),
+        v.reshape(b * lk, h, d).index_select(0, flat),
+        cu_q,
+        cu_k,
+        lq,
+        lk,
+        0.0,
+        False,
+        False,
+        scale=scale,
+        seqused_k=mask.sum(1, dtype=torch.int32),
+    )[:2]
+    return out.view(b, lq, h, d), _lse_bhq(lse, b, h, lq)
+
+
+def _dense_part(q, k, v, scale, kernel):
+    """Unmasked attention: (out (B, Lq, H, D), lse (B, H, Lq))."""
+    t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(*t, None, True, 0.0, False, False, scale=scale)[
+            :2
+        ]
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention(*t, scale=scale)[:2]
+    return out.transpose(1, 2), _lse_bhq(lse, q.shape[0], q.shape[2], q.shape[1])
+
+
+def _masked_part(q, k, v, mask, scale, kernel):
+    """Attention over the keys ``mask`` (B, Lk) keeps: (out (B, Lq, H, D), lse (B, H, Lq))."""
+    if kernel == "varlen":
+        return _varlen_keys_first(q, k, v, mask, scale)
+    b, lq, h, _ = q.shape
+    lk = k.shape[1]
+    bias = torch.zeros(b, 1, 1, lk, device=q.device, dtype=q.dtype).masked_fill(
+        ~mask[:, None, None, :], float("-inf")
+    )
+    t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias.expand(b, h, lq, lk))
+    if kernel == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(*t, True, 0.0, False, False, scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(*t, True, scale=scale)[:2]
+    return out.transpose(1, 2), _lse_bhq(lse, b, h, lq)
+
+
+@torch.library.custom_op(f"{_LIB}::flash_attention", mutates_args=())
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention with an optional key-padding mask, in (B, L, H, D) layout.
+
+    Args:
+        q: (B, Lq, H, D) queries. k, v: (B, Lk, H, D); Lk may differ from Lq.
+        key_mask: None, (B, Lk) bool (True = attend), or (B, Lk) float added to the scores.
+        scale: softmax scale (1/sqrt(D) for SDPA's default).
+
+    Returns:
+        (B, Lq, H, D). CUDA fp16/bf16: boolean masks through varlen flash attention (exact), no mask
+        through SDPA's fastest kernel. Otherwise (CPU, additive masks): PyTorch's SDPA.
+    """
+    if _flash_supported(q):
+        if key_mask is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
+            )
+            return out.transpose(1, 2).contiguous()
+        if key_mask.dtype == torch.bool:
+            return _varlen_keys_first(q.contiguous(), k.contiguous(), v.contiguous(), key_mask, scale)[0]
+    return _reference(q, k, v, key_mask, scale).contiguous()
+
+
+@flash_attention.register_fake
+def _(q, k, v, key_mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{_LIB}::joint_attention", mutates_args=())
+def joint_attention(
+    q: torch.Tensor,
+    k_a: torch.Tensor,
+    v_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    k_b: torch.Tensor,
+    v_b: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention over two key sets, the first under a key mask, the second always attended.
+
+    PRX's joint attention: image queries over [text keys (padded, masked); image keys]. On CUDA the
+    unmasked part runs a dense kernel, the small masked part its own kernel, and the two are merged
+    exactly by their log-sum-exp (attention is a softmax-weighted sum: splitting the keys and
+    re-weighting changes only rounding). Elsewhere: SDPA over the concatenated keys.
+
+    Args:
+        q: (B, Lq, H, D). k_a, v_a: (B, La, H, D); mask_a: (B, La) bool, True = attend.
+        k_b, v_b: (B, Lb, H, D). scale: softmax scale.
+        impl: "auto" (``DEFAULT_JOINT_IMPL``) or "<dense kernel>+<masked kernel>" from ``JOINT_IMPLS``.
+
+    Returns:
+        (B, Lq, H, D) contiguous.
+    """
+    if not _flash_supported(q):
+        keep_b = torch.ones(k_b.shape[:2], dtype=torch.bool, device=q.device)
+        return _reference(
+            q, torch.cat([k_a, k_b], 1), torch.cat([v_a, v_b], 1), torch.cat([mask_a, keep_b], 1), scale
+        ).contiguous()
+    from . import _kernels
+
+    dense, masked = (DEFAULT_JOINT_IMPL if impl == "auto" else impl).split("+")
+    q = q.contiguous()
+    o_b, lse_b = _dense_part(q, k_b, v_b, scale, dense)
+    o_a, lse_a = _masked_part(q, k_a.contiguous(), v_a.contiguous(), mask_a, scale, masked)
+    return _kernels.merge(o_b, lse_b, o_a, lse_a)
+
+
+@joint_attention.register_fake
+def _(q, k_a, v_a, mask_a, k_b, v_b, scale, impl="auto"):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
+JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default

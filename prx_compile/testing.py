@@ -1,0 +1,233 @@
+"""Fixtures for tests, notebooks, the demo and benchmarks: PRX models with non-degenerate weights.
+
+A freshly constructed PRX is the identity: ``Modulation.lin`` is zero-initialised, so every block's
+gates are 0 and attention cannot change the output. ``make_nondegenerate_`` re-initialises those
+layers; any equivalence check against eager must use it, or it proves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: A PRX small enough for CPU tests (depth 2, hidden 64, 4 heads of 16).
+TINY_PRX: dict[str, Any] = {
+    "in_channels": 4,
+    "patch_size": 2,
+    "context_in_dim": 32,
+    "hidden_size": 64,
+    "mlp_ratio": 2.0,
+    "num_heads": 4,
+    "depth": 2,
+    "axes_dim": [8, 8],
+}
+
+#: diffusers' default PRX (1.17 B parameters): hidden 1792, 28 heads, depth 16, context 2304.
+FULL_PRX: dict[str, Any] = {}
+
+PATCHIFY_FORMS = ("reshape", "fold")
+
+
+def make_nondegenerate_(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> torch.nn.Module:
+    """Re-initialise every PRX ``Modulation.lin`` (weight and bias ~ N(0, std)) in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "Modulation":
+                for p in (module.lin.weight, module.lin.bias):
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def img2seq_fold(img: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """diffusers 0.36's img2seq: (B, C, H, W) -> (B, L, C*p*p) through ``F.unfold`` (Im2Col)."""
+    return F.unfold(img, kernel_size=patch_size, stride=patch_size).transpose(1, 2)
+
+
+def seq2img_fold(seq: torch.Tensor, patch_size: int, shape) -> torch.Tensor:
+    """diffusers 0.36's seq2img: (B, L, C*p*p) -> (B, C, H, W) through ``F.fold`` (Col2Im)."""
+    if isinstance(shape, tuple):
+        shape = shape[-2:]
+    elif isinstance(shape, torch.Tensor):
+        shape = (int(shape[0]), int(shape[1]))
+    else:
+        raise NotImplementedError(f"shape type {type(shape)} not supported")
+    return F.fold(seq.transpose(1, 2), shape, kernel_size=patch_size, stride=patch_size)
+
+
+@contextlib.contextmanager
+def fold_patchify() -> Iterator[None]:
+    """Within the block, diffusers' PRX patchifies with F.unfold/F.fold exactly as diffusers 0.36 did."""
+    from diffusers.models.transformers import transformer_prx as tp
+
+    saved = tp.img2seq, tp.seq2img
+    tp.img2seq, tp.seq2img = img2seq_fold, seq2img_fold
+    try:
+        yield
+    finally:
+        tp.img2seq, tp.seq2img = saved
+
+
+def _fold_class():
+    from diffusers import PRXTransformer2DModel
+
+    class PRXTransformer2DModelFold(PRXTransformer2DModel):
+        """PRX whose img2seq/seq2img are diffusers 0.36's F.unfold/F.fold (Im2Col/Col2Im)."""
+
+        def forward(
+            self,
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            attention_mask=None,
+            attention_kwargs=None,
+            return_dict=True,
+        ):
+            with fold_patchify():
+                return super().forward(
+                    hidden_states,
+                    timestep,
+                    encoder_hidden_states,
+                    attention_mask,
+                    attention_kwargs,
+                    return_dict,
+                )
+
+    return PRXTransformer2DModelFold
+
+
+def make_prx(
+    config: dict[str, Any] | None = None,
+    *,
+    patchify: str = "reshape",
+    seed: int = 0,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """A PRXTransformer2DModel with non-degenerate weights, in eval mode.
+
+    Args:
+        config: PRX constructor kwargs; default ``TINY_PRX``. ``FULL_PRX`` ({}) is the 1.17 B model.
+        patchify: ``"reshape"`` (diffusers >= 0.37) or ``"fold"`` (diffusers 0.36's F.unfold/F.fold).
+        seed, std: weights are reproducible from the seed; modulation weights ~ N(0, std).
+    """
+    from diffusers import PRXTransformer2DModel
+
+    if patchify not in PATCHIFY_FORMS:
+        raise ValueError(f"patchify={patchify!r} is not one of {PATCHIFY_FORMS}")
+    cls = _fold_class() if patchify == "fold" else PRXTransformer2DModel
+    torch.manual_seed(seed)
+    model = cls(**(TINY_PRX if config is None else config))
+    make_nondegenerate_(model, std=std, seed=seed)
+    if dtype != torch.float32:
+        model = model.to(dtype=dtype)
+    return model.to(device=device).eval()
+
+
+#: Words the tiny tokenizer knows (anything else maps to <unk>).
+_TINY_VOCAB = (
+    "a photo of an astronaut riding horse on the moon cat dog red blue green sky city night "
+    "painting portrait forest mountain river sunset ocean car robot castle"
+).split()
+
+
+def tiny_tokenizer(max_length: int = 16):
+    """An in-memory word-level tokenizer (no download): <pad>=0, <eos>=1, <bos>=2, <unk>=3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    for w in _TINY_VOCAB:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        model_max_length=max_length,
+    )
+
+
+def tiny_text_encoder(vocab_size: int, hidden_size: int, seed: int = 0):
+    """A one-layer T5Gemma encoder with random weights whose output width is ``hidden_size``."""
+    from transformers.models.t5gemma.configuration_t5gemma import T5GemmaConfig, T5GemmaModuleConfig
+    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaEncoder
+
+    params = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "max_position_embeddings": 128,
+        "layer_types": ["full_attention"],
+        "attention_dropout": 0.0,
+        "dropout_rate": 0.0,
+        "query_pre_attn_scalar": 8,
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+    }
+    torch.manual_seed(seed)
+    module_config = T5GemmaModuleConfig(**params)
+    try:  # transformers >= 5.2x builds the encoder from its module config
+        return T5GemmaEncoder(module_config).eval()
+    except (AttributeError, TypeError):  # older: from the full config, as diffusers' own tests do
+        torch.manual_seed(seed)
+        config = T5GemmaConfig(encoder=module_config, is_encoder_decoder=False, **params)
+        return T5GemmaEncoder(config).eval()
+
+
+def tiny_vae(latent_channels: int = 4, seed: int = 0):
+    """A one-block AutoencoderKL (8x would need 4 blocks; this one is 1x: latents = pixels)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0,
+        scaling_factor=1.0,
+    ).eval()
+
+
+def tiny_pipeline(
+    transformer: torch.nn.Module | None = None, *, text_len: int = 16, vae: bool = True, seed: int = 0
+):
+    """A complete PRXPipeline with random tiny components (CPU-friendly, no download).
+
+    The VAE, if any, is a 1x autoencoder, so ``height``/``width`` are latent sizes; with
+    ``vae=False`` the pipeline returns latents (``output_type="latent"``) and assumes 8x.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, PRXPipeline
+
+    transformer = transformer if transformer is not None else make_prx(seed=seed)
+    tokenizer = tiny_tokenizer(text_len)
+    encoder = tiny_text_encoder(len(tokenizer), transformer.config.context_in_dim, seed=seed)
+    return PRXPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=encoder,
+        tokenizer=tokenizer,
+        vae=tiny_vae(transformer.config.in_channels, seed) if vae else None,
+    )

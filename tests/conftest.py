@@ -1,0 +1,33 @@
+"""Shared CPU fixtures: tiny non-degenerate PRX transformers and their exported graphs."""
+
+import logging
+
+import pytest
+import torch
+
+from prx_compile.export import ShapeRange, example_inputs, export_prx
+from prx_compile.testing import make_prx
+
+RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
+
+
+@pytest.fixture(autouse=True)
+def _quiet_diffusers():
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+
+
+def prx_inputs(model, batch=2, h=16, w=16, text=12, masked=5, seed=0):
+    return example_inputs(model.config, batch, h, w, text, masked_tokens=masked, seed=seed)
+
+
+@pytest.fixture(scope="session", params=["reshape", "fold"])
+def exported(request):
+    """(model, ExportedProgram) for both patchify forms, exported with dynamic shapes."""
+    model = make_prx(patchify=request.param)
+    ep = export_prx(model, prx_inputs(model), RANGE)
+    return model, ep
+
+
+def eager(model, kw):
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]

@@ -1,0 +1,37 @@
+"""GPU tests: need CUDA and Torch-TensorRT; run on the device with the kit (see README)."""
+
+import pytest
+import torch
+
+
+def _trt_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import torch_tensorrt  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    if _trt_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA and Torch-TensorRT")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+#: Small enough to build in seconds, wide enough for real attention kernels (head dim 64).
+SMALL_PRX = dict(
+    in_channels=16,
+    patch_size=2,
+    context_in_dim=256,
+    hidden_size=512,
+    mlp_ratio=3.5,
+    num_heads=8,
+    depth=2,
+    axes_dim=[32, 32],
+)
+RANGE = dict(batch=[1, 2], resolution=512, aspect_bins=[], text_len=[8, 64])

@@ -1,0 +1,174 @@
+"""LoRA: exact fuse/unfuse/switch on eager and compiled (CPU backends); both file layouts; errors
+leave the weights bit-identical."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prx_compile import LoRAError, compile_prx
+from prx_compile.lora import load_lora, make_random_lora, set_lora, summary, unload_lora
+from prx_compile.testing import make_prx
+
+from .conftest import eager, prx_inputs
+
+RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(params=["eager-model", "compiled-eager", "compiled-inductor"])
+def target(request):
+    model = make_prx()
+    if request.param == "eager-model":
+        return model, model
+    return model, compile_prx(model, backend=request.param.split("-")[1], **RANGE)
+
+
+def run(target, kw):
+    with torch.no_grad():
+        return target(**kw, return_dict=False)[0]
+
+
+def test_fuse_switch_unload_are_exact(target):
+    model, t = target
+    kw = prx_inputs(model, h=16, w=16)
+    w0, out0 = weights(model), run(t, kw)
+    a = make_random_lora(model, 4, seed=1, std=0.1)
+    b = make_random_lora(model, 8, seed=2, std=0.1, layout="kohya", alpha=4.0)
+    load_lora(t, a, "a")
+    wa, out_a = weights(model), run(t, kw)
+    assert not same(wa, w0) and (out_a - out0).abs().max() > 1e-3
+    torch.testing.assert_close(out_a, eager(model, kw), rtol=0, atol=1e-5)
+    load_lora(t, b, "b", scale=0.5)  # a and b together
+    set_lora(t, "b")
+    set_lora(t, ["a"], [1.0])
+    assert same(weights(model), wa)
+    torch.testing.assert_close(run(t, kw), out_a, rtol=0, atol=1e-6)
+    set_lora(t, ["a", "b"], [0.0, 0.0])
+    assert same(weights(model), w0)
+    assert summary(t)["active"] == {"a": 0.0, "b": 0.0}
+    unload_lora(t)
+    assert same(weights(model), w0) and summary(t) is None
+    torch.testing.assert_close(run(t, kw), out0, rtol=0, atol=1e-6)
+
+
+def test_lora_math_matches_the_definition():
+    model = make_prx()
+    w = model.blocks[0].attention.img_qkv_proj.weight.detach().clone()
+    sd = make_random_lora(model, 4, seed=3, std=0.1, alpha=2.0)
+    load_lora(model, sd, "x", scale=0.5)
+    a = sd["transformer.blocks.0.attention.img_qkv_proj.lora_A.weight"]
+    b = sd["transformer.blocks.0.attention.img_qkv_proj.lora_B.weight"]
+    expected = (w.float() + 0.5 * (2.0 / 4) * (b @ a)).to(w.dtype)
+    assert torch.equal(model.blocks[0].attention.img_qkv_proj.weight, expected)
+
+
+@pytest.mark.parametrize("layout", ["peft", "kohya"])
+def test_files_in_both_layouts(tmp_path, layout):
+    model = make_prx()
+    sd = make_random_lora(model, 4, seed=1, layout=layout)
+    save_file(sd, str(tmp_path / "l.safetensors"))
+    rep = load_lora(model, tmp_path / "l.safetensors", "f")
+    assert rep["layers"] == 12 and rep["unmatched"] == []
+
+
+def test_peft_directory_with_adapter_config(tmp_path):
+    import json
+
+    model = make_prx()
+    sd = {k.replace("transformer.", "base_model.model."): v for k, v in make_random_lora(model, 4).items()}
+    save_file(sd, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    w = model.blocks[0].up_proj.weight.detach().clone()
+    load_lora(model, tmp_path, "p")
+    a, b = (
+        sd["base_model.model.blocks.0.up_proj.lora_A.weight"],
+        sd["base_model.model.blocks.0.up_proj.lora_B.weight"],
+    )
+    assert torch.equal(model.blocks[0].up_proj.weight, (w.float() + 2.0 * (b @ a)).to(w.dtype))
+
+
+def corrupt(kind, model, tmp_path):
+    sd = make_random_lora(model, 4, seed=1)
+    key_a = "transformer.blocks.0.up_proj.lora_A.weight"
+    if kind == "unknown_key":
+        sd["transformer.blocks.9.nope.lora_A.weight"] = torch.zeros(4, 64)
+        sd["transformer.blocks.9.nope.lora_B.weight"] = torch.zeros(64, 4)
+        return sd, r"match no Linear layer.*blocks\.9\.nope"
+    if kind == "wrong_shape":
+        sd[key_a] = torch.zeros(4, 65)
+        return sd, r"blocks\.0\.up_proj expects A \(4, 64\)"
+    if kind == "rank_mismatch":
+        sd[key_a] = torch.zeros(3, 64)
+        return sd, r"rank mismatch: down/A has rank 3, up/B has rank 4"
+    if kind == "missing_half":
+        del sd[key_a]
+        return sd, r"blocks\.0\.up_proj has no lora_A/lora_down"
+    if kind == "not_a_lora":
+        return {"weight": torch.zeros(3)}, "it is not a LoRA"
+    if kind == "not_safetensors":
+        p = tmp_path / "x.safetensors"
+        p.write_bytes(b"\x80\x04not a safetensors file")
+        return p, "is not a safetensors LoRA file"
+    if kind == "missing_file":
+        return tmp_path / "nope.safetensors", "does not exist"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "unknown_key",
+        "wrong_shape",
+        "rank_mismatch",
+        "missing_half",
+        "not_a_lora",
+        "not_safetensors",
+        "missing_file",
+    ],
+)
+def test_bad_input_is_a_clear_error_and_changes_nothing(kind, tmp_path):
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **RANGE)
+    load_lora(ct, make_random_lora(model, 4, seed=5), "good", 0.3)
+    before = weights(model)
+    bad, match = corrupt(kind, model, tmp_path)
+    with pytest.raises(LoRAError, match=match):
+        load_lora(ct, bad, "bad")
+    assert same(weights(model), before) and list(summary(ct)["adapters"]) == ["good"]
+
+
+def test_other_errors_change_nothing():
+    model = make_prx()
+    load_lora(model, make_random_lora(model, 4), "a")
+    before = weights(model)
+    with pytest.raises(LoRAError, match="already loaded"):
+        load_lora(model, make_random_lora(model, 4), "a")
+    with pytest.raises(LoRAError, match=r"no adapter named \['zz'\]"):
+        set_lora(model, ["zz"])
+    with pytest.raises(LoRAError, match="2 names and 1 scales"):
+        set_lora(model, ["a", "a"], [1.0])
+    assert same(weights(model), before)
+
+
+def test_non_strict_reports_unmatched_keys():
+    model = make_prx()
+    sd = make_random_lora(model, 4)
+    sd["text_encoder.layer.lora_A.weight"] = torch.zeros(4, 4)
+    rep = load_lora(model, sd, "a", strict=False)
+    assert rep["unmatched"] == ["text_encoder.layer.lora_A.weight"]
+
+
+def test_pipeline_helper():
+    from prx_compile.testing import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    load_lora(pipe, make_random_lora(pipe.transformer, 4), "p")
+    assert summary(pipe)["active"] == {"p": 1.0}
+    unload_lora(pipe)

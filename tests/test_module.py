@@ -1,0 +1,117 @@
+"""compile_prx as a drop-in for pipe.transformer, on the CPU backends (eager, inductor)."""
+
+import sys
+
+import pytest
+import torch
+
+from prx_compile import (
+    BackendUnavailableError,
+    CompiledTransformer,
+    ConfigError,
+    ShapeOutOfRangeError,
+    compile_prx,
+)
+from prx_compile.testing import make_prx, tiny_pipeline
+
+from .conftest import eager, prx_inputs
+
+SMALL_RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
+PIPE_RANGE = {**SMALL_RANGE, "resolution": 32}
+PIPE_ARGS = dict(
+    prompt="a red car on the moon at night",
+    negative_prompt="",
+    num_inference_steps=3,
+    guidance_scale=4.0,
+    height=32,
+    width=32,
+    output_type="latent",
+    use_resolution_binning=False,
+)
+
+
+def generate(pipe):
+    return pipe(**PIPE_ARGS, generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = tiny_pipeline()
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_drop_in_for_prx_pipeline(pipe, backend):
+    original = pipe.transformer
+    ref = generate(pipe)
+    try:
+        pipe.transformer = compile_prx(original, backend=backend, **PIPE_RANGE)
+        assert isinstance(pipe.transformer, CompiledTransformer)
+        assert pipe.transformer.config is original.config and pipe.transformer.dtype == torch.float32
+        out = generate(pipe)
+    finally:
+        pipe.transformer = original
+    # guidance doubles the batch to 2 and the empty negative prompt masks most text tokens
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_kwargs_return_dict_and_no_mask():
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    kw = prx_inputs(model, h=16, w=16)
+    out = ct(**kw)
+    assert out.sample.shape == (2, 4, 16, 16)
+    assert torch.equal(out.sample, ct(**kw, return_dict=False)[0])
+    kw["attention_mask"] = None
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    kw["timestep"] = kw["timestep"][:1]  # a single timestep broadcasts, as in eager
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+
+
+def test_out_of_range_names_the_range():
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    with pytest.raises(ShapeOutOfRangeError, match=r"batch 3 not in \[1, 2\].*Built for batch 1..2"):
+        ct(**prx_inputs(model, batch=3, h=16, w=16), return_dict=False)
+    with pytest.raises(ShapeOutOfRangeError, match="latent height 18 not in"):
+        ct(**prx_inputs(model, h=18, w=16), return_dict=False)
+
+
+def test_on_shape_miss_rebuild():
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", on_shape_miss="rebuild", **SMALL_RANGE)
+    ct(**prx_inputs(model, h=16, w=16), return_dict=False)
+    kw = prx_inputs(model, batch=3, h=16, w=16)
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    assert ct.builds == 2 and ct.shapes.batch == (1, 3)
+
+
+def test_config_errors():
+    model = make_prx()
+    with pytest.raises(ConfigError, match="unknown key"):
+        compile_prx(model, backend="eager", batchsize=2)
+    with pytest.raises(ConfigError, match="the transformer is torch.float32 but config.dtype is 'bf16'"):
+        compile_prx(model, config="prx-512-bf16", backend="eager")
+    with pytest.raises(ConfigError, match="attention_kwargs"):
+        compile_prx(model, backend="eager", **SMALL_RANGE)(
+            **prx_inputs(model, h=16, w=16), attention_kwargs={"s": 1}
+        )
+
+
+def test_tensorrt_without_gpu_says_how_to_install(monkeypatch):
+    from prx_compile.backends import trt_shim
+
+    model = make_prx()
+    trt_shim.torch_tensorrt.cache_clear()
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            BackendUnavailableError, match=r"needs a CUDA GPU.*pip install 'prx_compile\[tensorrt\]'"
+        ):
+            compile_prx(model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch_tensorrt", None)  # import fails as on a machine without it
+    trt_shim.torch_tensorrt.cache_clear()
+    with pytest.raises(BackendUnavailableError, match=r"needs Torch-TensorRT.*backend='inductor' or 'eager'"):
+        compile_prx(model, device="cpu")
+    trt_shim.torch_tensorrt.cache_clear()
