@@ -330,8 +330,12 @@ def parser() -> argparse.ArgumentParser:
         "--resolution", type=int, action="append", help="square pixel size, repeatable (256 tiny, 1024 full)"
     )
     be.add_argument("--batch", type=int, nargs="+", default=[2])
-    be.add_argument("--mask", choices=["pipeline", "none", "full"], default="pipeline",
-                    help="pipeline: rows keep 1 and 40 text tokens, as PRXPipeline with guidance")
+    be.add_argument(
+        "--mask",
+        choices=["pipeline", "none", "full"],
+        default="pipeline",
+        help="pipeline: rows keep 1 and 40 text tokens, as PRXPipeline with guidance",
+    )
     be.add_argument("--text-len", type=int, default=256)
     be.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     be.add_argument("--patchify", choices=["reshape", "fold"], default="reshape")

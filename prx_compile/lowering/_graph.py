@@ -7,13 +7,16 @@ dynamic, so Torch-TensorRT sees the same dynamic ranges after lowering as before
 
 from __future__ import annotations
 
+import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
@@ -111,3 +114,24 @@ def replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:
     """Point every user of ``old`` at ``new`` and erase ``old``."""
     old.replace_all_uses_with(new)
     gm.graph.erase_node(old)
+
+
+def rewrite_calls(gm: fx.GraphModule, target: Any, rule: str, emit: Callable[[Emitter, fx.Node], Any]) -> int:
+    """Replace each call of ``target`` by what ``emit(emitter, node)`` returns; a string return is the
+    reason to leave that node as is (logged at debug level). Logs and returns how many were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != target:
+            continue
+        if not has_fake_values(node.args[0], node):
+            logger.debug("%s: %s left as is: no fake shapes on the graph (export it first)", rule, node)
+            continue
+        out = emit(Emitter(gm, node), node)
+        if isinstance(out, str):
+            logger.debug("%s: %s left as is: %s", rule, node, out)
+            continue
+        replace(gm, node, out)
+        count += 1
+    if count:
+        logger.info("%s: rewrote %d %s node(s)", rule, count, target)
+    return count

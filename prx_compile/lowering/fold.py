@@ -12,16 +12,12 @@ TensorRT has no Col2Im layer; Torch-TensorRT leaves it to PyTorch and splits the
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
-from ._graph import Emitter, fake_value, has_fake_values, known_divisible, replace
+from ._graph import Emitter, fake_value, known_divisible, rewrite_calls
 
-logger = logging.getLogger(__name__)
 aten = torch.ops.aten
-TARGETS = (aten.col2im.default,)
 
 
 def col2im_exact(em: Emitter, cols: fx.Node, out_hw, kernel, dilation, padding, stride) -> fx.Node:
@@ -65,25 +61,16 @@ def col2im_exact(em: Emitter, cols: fx.Node, out_hw, kernel, dilation, padding, 
     return acc
 
 
+def _emit(em: Emitter, node: fx.Node) -> fx.Node:
+    cols, out_hw, kernel, dilation, padding, stride = node.args[:6]
+    batched = cols.meta["val"].dim() == 3
+    if not batched:  # F.fold of (C*kh*kw, L) columns
+        cols = em.call(aten.unsqueeze.default, cols, 0)
+    out = col2im_exact(em, cols, list(out_hw), kernel, dilation, padding, stride)
+    return out if batched else em.call(aten.squeeze.dim, out, 0)
+
+
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     """Replace every ``aten.col2im`` by exact reshapes (unpatchify) or padded strided sums (general)."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in TARGETS:
-            continue
-        cols, out_hw, kernel, dilation, padding, stride = node.args[:6]
-        if not has_fake_values(cols, node):
-            logger.debug("fold: %s left as is: no fake shapes on the graph (export it first)", node)
-            continue
-        em = Emitter(gm, node)
-        batched = cols.meta["val"].dim() == 3
-        if not batched:
-            cols = em.call(aten.unsqueeze.default, cols, 0)
-        out = col2im_exact(em, cols, list(out_hw), kernel, dilation, padding, stride)
-        if not batched:
-            out = em.call(aten.squeeze.dim, out, 0)
-        replace(gm, node, out)
-        count += 1
-    if count:
-        logger.info("fold: rewrote %d aten.col2im node(s)", count)
+    rewrite_calls(gm, aten.col2im.default, "fold", _emit)
     return gm

@@ -9,39 +9,27 @@ Switch: ``LoweringSettings.select_as_slice``.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
-from ._graph import Emitter, has_fake_values, replace
+from ._graph import Emitter, rewrite_calls
 
-logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
+def _emit(em: Emitter, node: fx.Node) -> fx.Node | str:
+    x, dim, index = node.args
+    val = x.meta["val"]
+    dim %= val.dim()
+    size = val.shape[dim]
+    if not isinstance(index, int) or not isinstance(size, int) or not -size <= index < size:
+        return "index or dimension size is not a constant"
+    index %= size
+    return em.call(aten.squeeze.dim, em.call(aten.slice.Tensor, x, dim, index, index + 1), dim)
+
+
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
-    """Rewrite constant-index ``select`` into ``slice`` + ``squeeze``."""
-    if not getattr(settings, "select_as_slice", True):
-        return gm
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != aten.select.int:
-            continue
-        x, dim, index = node.args
-        if not has_fake_values(x) or not isinstance(index, int):
-            continue
-        val = x.meta["val"]
-        dim = dim % val.dim()
-        size = val.shape[dim]
-        if not isinstance(size, int) or not -size <= index < size:
-            logger.debug("select: %s left as is: dimension size is symbolic", node)
-            continue
-        index %= size
-        em = Emitter(gm, node)
-        sliced = em.call(aten.slice.Tensor, x, dim, index, index + 1)
-        replace(gm, node, em.call(aten.squeeze.dim, sliced, dim))
-        count += 1
-    if count:
-        logger.info("select: rewrote %d aten.select node(s) into slice + squeeze", count)
+    """Rewrite constant-index ``select`` into ``slice`` + ``squeeze`` (switch: ``select_as_slice``)."""
+    if getattr(settings, "select_as_slice", True):
+        rewrite_calls(gm, aten.select.int, "select", _emit)
     return gm

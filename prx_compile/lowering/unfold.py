@@ -11,16 +11,12 @@ Both forms keep symbolic H and W symbolic. TensorRT has no Im2Col layer; these a
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
-from ._graph import Emitter, has_fake_values, known_divisible, replace
+from ._graph import Emitter, known_divisible, rewrite_calls
 
-logger = logging.getLogger(__name__)
 aten = torch.ops.aten
-TARGETS = (aten.im2col.default,)
 
 
 def im2col_exact(em: Emitter, x: fx.Node, kernel, dilation, padding, stride) -> fx.Node:
@@ -54,25 +50,16 @@ def im2col_exact(em: Emitter, x: fx.Node, kernel, dilation, padding, stride) -> 
     return em.call(aten.view.default, y, [b, ck, em.mul(oh, ow)])
 
 
+def _emit(em: Emitter, node: fx.Node) -> fx.Node:
+    x, kernel, dilation, padding, stride = node.args[:5]
+    batched = x.meta["val"].dim() == 4
+    if not batched:  # F.unfold of a (C, H, W) image
+        x = em.call(aten.unsqueeze.default, x, 0)
+    out = im2col_exact(em, x, kernel, dilation, padding, stride)
+    return out if batched else em.call(aten.squeeze.dim, out, 0)
+
+
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     """Replace every ``aten.im2col`` by exact reshapes (patchify) or strided slices (general)."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in TARGETS:
-            continue
-        x, kernel, dilation, padding, stride = node.args[:5]
-        if not has_fake_values(x, node):
-            logger.debug("unfold: %s left as is: no fake shapes on the graph (export it first)", node)
-            continue
-        em = Emitter(gm, node)
-        batched = x.meta["val"].dim() == 4
-        if not batched:
-            x = em.call(aten.unsqueeze.default, x, 0)
-        out = im2col_exact(em, x, kernel, dilation, padding, stride)
-        if not batched:
-            out = em.call(aten.squeeze.dim, out, 0)
-        replace(gm, node, out)
-        count += 1
-    if count:
-        logger.info("unfold: rewrote %d aten.im2col node(s)", count)
+    rewrite_calls(gm, aten.im2col.default, "unfold", _emit)
     return gm
