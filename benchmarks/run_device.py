@@ -6,7 +6,9 @@
 Phases:
   bench     eager, compile_prx, plain MTTM, torch.compile at 1024² b2 / 1024² b1 / 832x1216 b2 / 512² b2
             with the pipeline's text mask (one process, one run) + switches that need no rebuild.
-  forms     both attention forms, reshape (diffusers 0.42) and fold (diffusers 0.36) patchify.
+  forms     both attention forms (+ fused attention) with reshape patchify (diffusers 0.42).
+  forms_fold  both attention forms with fold patchify (diffusers 0.36).
+  perf      static builds at 1024² b1 and 512² b2 against eager and torch.compile.
   lora      rank-64 LoRA over every attention/MLP linear: refit time, A->B->A, latency after refit;
             engine cache miss then hit; save, then load in a new process.
   pipeline  a full PRXPipeline (real-size transformer, small random text encoder, latents out):
@@ -49,25 +51,58 @@ def bench(out: Path) -> None:
     )
 
 
+STATIC = "static=true,opt_batch={b},text_len=[256,256]"
+
+
 def forms(out: Path) -> None:
+    """Issue 2's forms: the lowering rules' flash form (fused_attention off), the TensorRT form,
+    and issue 7's fused attention, against eager and torch.compile."""
     case = [Case((1024, 1024), 2)]
-    static = "static=true,opt_batch=2,text_len=[256,256]"
+    static = STATIC.format(b=2)
+    rules_flash = f"compile_prx[fused_attention=false,{static}]"
     run_bench(
         case,
-        ["eager", f"compile_prx[{static}]", "torch.compile", f"compile_prx[attention=tensorrt,{static}]"],
+        [
+            "eager",
+            rules_flash,
+            f"compile_prx[{static}]",
+            "torch.compile",
+            f"compile_prx[attention=tensorrt,{static}]",
+        ],
         model_config=FULL,
         out_json=out / "forms_static_diffusers042.json",
     )
-    if time.time() - T0 > 430:
-        print("skipping the fold (diffusers 0.36) forms: out of time")
-        return
+
+
+def forms_fold(out: Path) -> None:
+    """The same forms on the fold variant (diffusers 0.36's F.unfold/F.fold patchify)."""
+    static = STATIC.format(b=2)
+    rules_flash = f"compile_prx[fused_attention=false,{static}]"
+    trt_form = f"compile_prx[attention=tensorrt,{static}]"
     run_bench(
-        case,
-        ["eager", f"compile_prx[{static}]", f"compile_prx[attention=tensorrt,{static}]"],
+        [Case((1024, 1024), 2)],
+        ["eager", rules_flash, trt_form],
         model_config=FULL,
         patchify="fold",
         out_json=out / "forms_fold_diffusers036.json",
     )
+
+
+def perf(out: Path) -> None:
+    """Issue 7, static builds, each file one process and one run against eager and torch.compile:
+    1024² batch 2 (with the fused-attention ablation), 1024² batch 1 (the distilled model, no
+    guidance) and 512² batch 2."""
+    for res, batch in ((1024, 2), (1024, 1), (512, 2)):
+        static = STATIC.format(b=batch) + f",resolution={res}"
+        paths = ["eager", f"compile_prx[{static}]", "torch.compile"]
+        if (res, batch) == (1024, 2):
+            paths.insert(2, f"compile_prx[fused_attention=false,{static}]")
+        run_bench(
+            [Case((res, res), batch)],
+            paths,
+            model_config=FULL,
+            out_json=out / f"perf_static_{res}_b{batch}_h200.json",
+        )
 
 
 def _load_in_new_process(art: Path, inputs: Path, expected: Path) -> dict:
@@ -207,9 +242,9 @@ def pipeline(out: Path) -> None:
     from prx_compile.testing import tiny_text_encoder, tiny_tokenizer
 
     model, ct = globals().get("_COMPILED") or (None, None)
-    if model is None:
+    if model is None:  # the pipeline pads prompts to 256 tokens and doubles the batch for guidance
         model = make_prx(FULL, dtype=torch.bfloat16, device="cuda")
-        ct = compile_prx(model, **DEFAULT)
+        ct = compile_prx(model, static=True, opt_batch=2, text_len=[256, 256])
     tok = tiny_tokenizer(256)
     enc = tiny_text_encoder(len(tok), model.config.context_in_dim).to("cuda", torch.bfloat16)
     pipe = PRXPipeline(
@@ -246,6 +281,8 @@ def pipeline(out: Path) -> None:
     ref, res["eager_s"] = run(model)
     run(ct, 2)
     got, res["compile_prx_s"] = run(ct)
+    res["compiled"] = {k: v for k, v in ct.report().items() if k != "torch_ops"}
+    res["compile_config"] = {k: v for k, v in ct.compile_config.to_dict().items() if k != "device"}
     res["final_latents_rel_err"] = rel_err(got, ref)
     res["speedup_vs_eager"] = res["eager_s"] / res["compile_prx_s"]
     if time.time() - T0 < 240:
@@ -253,7 +290,7 @@ def pipeline(out: Path) -> None:
         run(tc, 2)
         _, res["torch_compile_s"] = run(tc)
         res["speedup_vs_torch_compile"] = res["torch_compile_s"] / res["compile_prx_s"]
-    (out / "pipeline_e2e_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "pipeline_e2e_static_h200.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
 
 

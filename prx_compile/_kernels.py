@@ -1,7 +1,11 @@
-"""GPU helpers for the attention ops: merge two partial attentions by their log-sum-exp.
+"""GPU helpers for the attention ops, each a Triton kernel with a PyTorch twin.
 
-``merge`` is one fused Triton kernel on CUDA (triton ships with CUDA builds of torch) and
-``merge_torch`` the same arithmetic in PyTorch ops (CPU, or CUDA without triton).
+* ``merge`` — two partial attentions merged by their log-sum-exp (``merge_torch``: same arithmetic
+  in PyTorch ops, for CPU or CUDA without triton).
+* ``qk_norm_rope`` — per-head RMSNorm, optional RoPE and a copy of the matching values, in one pass
+  over a projection's output (``ops.qk_norm_rope_torch``: diffusers' arithmetic in PyTorch ops).
+
+triton ships with CUDA builds of torch; it is imported only when a kernel first runs.
 """
 
 from __future__ import annotations
@@ -144,3 +148,152 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
         BR=br,
     )
     return out
+
+
+_NORM_ROPE_KERNEL = None
+
+
+def _norm_rope_kernel():
+    global _NORM_ROPE_KERNEL
+    if _NORM_ROPE_KERNEL is not None:
+        return _NORM_ROPE_KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kernel(
+        x,
+        sxb,
+        sxl,
+        sxh,
+        w,
+        f,
+        sfb,
+        sfl,
+        out,
+        v,
+        svb,
+        svl,
+        svh,
+        vout,
+        n_rows,
+        L,
+        H,
+        eps,
+        D: tl.constexpr,
+        BR: tl.constexpr,
+        HAS_ROPE: tl.constexpr,
+        COPY_V: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):
+        # A program = BR rows (b, l, h) of D contiguous elements; e ^ 1 is each element's RoPE partner.
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = (r < n_rows)[:, None]
+        h = r % H
+        t = r // H
+        tok = t % L
+        b = t // L
+        e = tl.arange(0, D)
+        p = e ^ 1
+        src = x + (b * sxb + tok * sxl + h * sxh)[:, None]
+        xa = tl.load(src + e[None, :], mask=rm, other=0.0).to(tl.float32)
+        xb = tl.load(src + p[None, :], mask=rm, other=0.0).to(tl.float32)
+        rs = 1.0 / tl.sqrt_rn(tl.sum(xa * xa, 1) / D + eps)
+        ya = xa * rs[:, None]
+        yb = xb * rs[:, None]
+        if ROUND:  # diffusers' RMSNorm casts to the (half) weight dtype before the weight product
+            ya = ya.to(out.dtype.element_ty).to(tl.float32)
+            yb = yb.to(out.dtype.element_ty).to(tl.float32)
+        ya = ya * tl.load(w + e).to(tl.float32)[None, :]
+        yb = yb * tl.load(w + p).to(tl.float32)[None, :]
+        if ROUND:
+            ya = ya.to(out.dtype.element_ty).to(tl.float32)
+            yb = yb.to(out.dtype.element_ty).to(tl.float32)
+        if HAS_ROPE:
+            # f[b, l] holds (D/2, 2, 2) rotations: out[2i + j] = f[i, j, 0] x[2i] + f[i, j, 1] x[2i + 1],
+            # i.e. out[e] = f_flat[2e + odd] * x[e] + f_flat[2e + 1 - odd] * x[e ^ 1].
+            odd = e & 1
+            fr = f + (b * sfb + tok * sfl)[:, None]
+            fa = tl.load(fr + (2 * e + odd)[None, :], mask=rm, other=0.0)
+            fb = tl.load(fr + (2 * e + 1 - odd)[None, :], mask=rm, other=0.0)
+            ya = fa * ya + fb * yb
+        dst = (r * D)[:, None] + e[None, :]
+        tl.store(out + dst, ya.to(out.dtype.element_ty), mask=rm)
+        if COPY_V:
+            val = tl.load(v + (b * svb + tok * svl + h * svh)[:, None] + e[None, :], mask=rm, other=0.0)
+            tl.store(vout + dst, val, mask=rm)
+
+    _NORM_ROPE_KERNEL = (_kernel, triton)
+    return _NORM_ROPE_KERNEL
+
+
+def norm_rope_supported(x: torch.Tensor) -> bool:
+    """The Triton kernel's domain: CUDA, fp16/bf16, power-of-two head dim 8..256, unit last stride."""
+    d = x.shape[-1]
+    return (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and 8 <= d <= 256
+        and d & (d - 1) == 0
+        and x.stride(-1) == 1
+        and triton_available()
+    )
+
+
+def qk_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    rope: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim of ``x`` (B, L, H, D), then RoPE, in one Triton kernel.
+
+    Args:
+        x: (B, L, H, D) fp16/bf16, any strides with unit last stride (e.g. a slice of a fused QKV).
+        weight: (D,) the RMSNorm scale, in ``x``'s dtype.
+        eps: the RMSNorm epsilon.
+        rope: None, or (B, L, D/2, 2, 2) fp32 rotations (diffusers' PRX ``freqs_cis``, heads squeezed).
+        v: None, or (B, L, H, D) values copied alongside into a contiguous tensor.
+
+    Returns:
+        (normalised x (B, L, H, D) contiguous, contiguous copy of v or None). Arithmetic as
+        diffusers' RMSNorm and ``apply_rope``: fp32 inside, rounded to x's dtype where they round.
+    """
+    kernel, triton = _norm_rope_kernel()
+    b, seq, h, d = x.shape
+    out = torch.empty((b, seq, h, d), device=x.device, dtype=x.dtype)
+    vout = torch.empty_like(out) if v is not None else out
+    if rope is not None:
+        rope = rope.expand(b, seq, d // 2, 2, 2)
+        if rope.stride()[2:] != (4, 2, 1):
+            rope = rope.contiguous()
+    n_rows = b * seq * h
+    br = 64
+    kernel[(triton.cdiv(n_rows, br),)](
+        x,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        weight.contiguous(),
+        rope if rope is not None else x,
+        rope.stride(0) if rope is not None else 0,
+        rope.stride(1) if rope is not None else 0,
+        out,
+        v if v is not None else x,
+        v.stride(0) if v is not None else 0,
+        v.stride(1) if v is not None else 0,
+        v.stride(2) if v is not None else 0,
+        vout,
+        n_rows,
+        seq,
+        h,
+        eps,
+        D=d,
+        BR=br,
+        HAS_ROPE=rope is not None,
+        COPY_V=v is not None,
+        ROUND=True,
+        num_warps=4,
+    )
+    return out, (vout if v is not None else None)

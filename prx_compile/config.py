@@ -27,6 +27,7 @@ REBUILD_KEYS = (
     "dtype",
     "attention",
     "joint_attention",
+    "fused_attention",
     "select_as_slice",
     "batch",
     "resolution",
@@ -62,6 +63,9 @@ class CompileConfig:
     cuda_graphs: replay the whole transformer step as one CUDA graph per input shape (CUDA only).
     joint_attention: with attention="flash", run PRX's text+image attention as a dense flash kernel
         over image keys plus a small masked kernel over text keys, merged exactly (log-sum-exp).
+    fused_attention: with attention="flash", run each PRX attention core (QK RMSNorm, RoPE, joint
+        attention) as one ``prx_compile::prx_attention`` op: a Triton pass per operand instead of
+        TensorRT's norm/RoPE/layout kernels (see ``prx_compile.fusion``).
     select_as_slice: lower constant-index ``select`` to ``slice`` (avoids TensorRT gather kernels).
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the pixel resolution the engines are tuned for (square), e.g. 1024.
@@ -81,6 +85,7 @@ class CompileConfig:
     attention: str = "flash"
     cuda_graphs: bool = True
     joint_attention: bool = True
+    fused_attention: bool = True
     select_as_slice: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
@@ -108,7 +113,7 @@ class CompileConfig:
         choice("attention", ATTENTION)
         choice("on_shape_miss", ON_SHAPE_MISS)
         choice("runtime", RUNTIMES)
-        for key in ("cuda_graphs", "static", "joint_attention", "select_as_slice"):
+        for key in ("cuda_graphs", "static", "joint_attention", "fused_attention", "select_as_slice"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
         for key in ("batch", "text_len"):
@@ -213,6 +218,10 @@ class CompileConfig:
             joint_attention=self.joint_attention,
             select_as_slice=self.select_as_slice,
         )
+
+    def fuses_attention(self) -> bool:
+        """Whether exports run PRX attention as ``prx_attention`` (``fused_attention`` with flash)."""
+        return self.fused_attention and self.attention == "flash"
 
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None

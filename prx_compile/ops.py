@@ -4,8 +4,10 @@
   image keys]. A dense kernel over the image keys plus a small masked kernel over the text keys,
   merged exactly by log-sum-exp.
 * ``torch.ops.prx_compile.flash_attention`` — attention under any (B, Lk) key mask.
+* ``torch.ops.prx_compile.prx_attention`` — PRX's whole attention core from the two projections'
+  outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.fused_attention``).
 
-Both take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
+The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
 """
 
@@ -176,6 +178,10 @@ def joint_attention(
     Returns:
         (B, Lq, H, D) contiguous.
     """
+    return _joint(q, k_a, v_a, mask_a, k_b, v_b, scale, impl)
+
+
+def _joint(q, k_a, v_a, mask_a, k_b, v_b, scale, impl):
     if not _flash_supported(q):
         keep_b = torch.ones(k_b.shape[:2], dtype=torch.bool, device=q.device)
         return _reference(
@@ -195,5 +201,91 @@ def _(q, k_a, v_a, mask_a, k_b, v_b, scale, impl="auto"):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def qk_norm_rope_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rope: torch.Tensor | None = None
+) -> torch.Tensor:
+    """diffusers' ``RMSNorm`` then ``apply_rope`` in PyTorch ops, in (B, L, H, D) layout.
+
+    x: (B, L, H, D); weight: (D,); rope: None or (B, L, D/2, 2, 2) fp32. Returns (B, L, H, D).
+    The same operations in the same order as diffusers, so it matches the model exactly.
+    """
+    var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(var + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(weight.dtype)
+    y = y * weight
+    if rope is None:
+        return y
+    pairs = y.float().reshape(*y.shape[:-1], -1, 1, 2)
+    f = rope[:, :, None].to(pairs.dtype)  # (B, L, 1, D/2, 2, 2): broadcast over heads
+    out = f[..., 0] * pairs[..., 0] + f[..., 1] * pairs[..., 1]
+    return out.reshape(*y.shape).type_as(y)
+
+
+def _norm_rope(x, weight, eps, rope, v):
+    """(normalised x, contiguous v): the Triton kernel where it applies, else PyTorch ops."""
+    from . import _kernels
+
+    if _kernels.norm_rope_supported(x) and weight.dtype == x.dtype:
+        return _kernels.qk_norm_rope(x, weight, eps, rope, v)
+    return qk_norm_rope_torch(x, weight, eps, rope), (v.contiguous() if v is not None else None)
+
+
+@torch.library.custom_op(f"{_LIB}::prx_attention", mutates_args=())
+def prx_attention(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """PRX's attention between its projections: what ``PRXAttnProcessor2_0`` computes after
+    ``img_qkv_proj`` / ``txt_kv_proj`` and before ``to_out``, as one op.
+
+    Image queries and keys get RMSNorm and RoPE, text keys RMSNorm; then the image queries attend
+    over [text keys under the mask; image keys] (``joint_attention``). On CUDA with fp16/bf16 one
+    Triton kernel per operand does the norm, the RoPE and the layout change in a single pass
+    (TensorRT-RTX runs this chain as several slow fused kernels); elsewhere PyTorch ops run
+    diffusers' arithmetic (a named CPU fallback).
+
+    Args:
+        img_qkv: (B, L, 3*H*D) output of ``img_qkv_proj``. txt_kv: (B, T, 2*H*D) of ``txt_kv_proj``.
+        text_mask: (B, T) bool, True = attend; None = every text token.
+        rope: None or (B, 1, L, D/2, 2, 2) fp32, PRX's ``image_rotary_emb``.
+        q_weight, k_weight, text_k_weight: (D,) weights of ``norm_q``, ``norm_k``, ``norm_added_k``.
+        heads: H. eps: the RMSNorm epsilon. scale: softmax scale. impl: as ``joint_attention``.
+
+    Returns:
+        (B, L, H*D), the input of ``to_out``.
+    """
+    b, seq, _ = img_qkv.shape
+    t = txt_kv.shape[1]
+    d = q_weight.shape[0]
+    qkv = img_qkv.reshape(b, seq, 3, heads, d)
+    kv = txt_kv.reshape(b, t, 2, heads, d)
+    if rope is not None:
+        rope = rope[:, 0]  # (B, L, D/2, 2, 2)
+    q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
+    k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
+    tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
+    if text_mask is None:
+        text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
+    out = _joint(q, tk, tv, text_mask.bool(), k, v, scale, impl)
+    return out.reshape(b, seq, heads * d)
+
+
+@prx_attention.register_fake
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, impl="auto"):
+    b, seq, _ = img_qkv.shape
+    return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+
+
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
+PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default

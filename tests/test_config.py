@@ -49,6 +49,7 @@ def test_presets_cover_every_aspect_bin(preset, families):
         ({"optimization_level": 9}, r"optimization_level=9"),
         ({"resolution": 1004}, r"resolution=1004 is not a multiple of vae_scale_factor=8"),
         ({"cuda_graphs": "yes"}, r"cuda_graphs='yes' must be true or false"),
+        ({"fused_attention": 1}, r"fused_attention=1 must be true or false"),
     ],
 )
 def test_bad_values_name_key_and_allowed(bad, match):
@@ -77,3 +78,5 @@ def test_yaml_roundtrip_and_overrides(tmp_path):
     assert CompileConfig.resolve(p) == cfg
     assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, cuda_graphs=False)) == []
     assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, attention="tensorrt")) == ["attention"]
+    assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, fused_attention=False)) == ["fused_attention"]
+    assert cfg.fuses_attention() and not CompileConfig.resolve(p, attention="tensorrt").fuses_attention()

@@ -26,6 +26,7 @@ import torch
 
 from .. import progress
 from ..export import shape_generic_position_ids
+from ..fusion import fused_attention_processors
 from ..lowering.torch_tensorrt import lowering_passes, torch_executed_ops
 from . import Backend, trt_shim
 
@@ -65,13 +66,15 @@ class TensorRTBackend(Backend):
 
     @contextlib.contextmanager
     def _compiling(self) -> Iterator[None]:
-        """Our lowering (pre) and weight-provenance (post) passes, and shape-generic position ids."""
+        """Our lowering (pre) and weight-provenance (post) passes, shape-generic position ids and,
+        with ``fused_attention``, the fused PRX attention processors (MTTM exports inside)."""
         from torch_tensorrt.dynamo.lowering.passes._aten_lowering_pass import ATEN_POST_LOWERING_PASSES
 
         post = ATEN_POST_LOWERING_PASSES.passes
         post.append(self._record_provenance)
         try:
-            with lowering_passes(), shape_generic_position_ids():
+            fused = fused_attention_processors(self.model, self.config.fuses_attention())
+            with lowering_passes(), shape_generic_position_ids(), fused:
                 yield
         finally:
             post.remove(self._record_provenance)

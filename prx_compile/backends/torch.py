@@ -12,6 +12,7 @@ import torch
 
 from .. import progress
 from ..export import export_prx
+from ..fusion import fused_attention_processors
 from ..lowering import lower
 from . import Backend
 
@@ -24,7 +25,8 @@ class TorchBackend(Backend):
 
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        with progress.stage("export (torch.export, dynamic shapes)"):
+        fused = fused_attention_processors(self.model, self.config.fuses_attention())
+        with progress.stage("export (torch.export, dynamic shapes)"), fused:
             ep = export_prx(self.model, example, self.shapes)
         with progress.stage("lower (prx_compile rules)"):
             gm = lower(ep.module(), self.config.lowering())

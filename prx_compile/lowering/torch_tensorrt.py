@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from ..ops import FLASH_ATTENTION, JOINT_ATTENTION
+from ..ops import FLASH_ATTENTION, JOINT_ATTENTION, PRX_ATTENTION
 from . import LoweringSettings, lower
 
 logger = logging.getLogger(__name__)
@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 ATTENTION_OPS = (
     FLASH_ATTENTION,
     JOINT_ATTENTION,
+    PRX_ATTENTION,
     "torch.ops.prx_compile.flash_attention.default",
     "torch.ops.prx_compile.joint_attention.default",
+    "torch.ops.prx_compile.prx_attention.default",
 )
 
 
@@ -36,7 +38,7 @@ def torch_executed_ops(settings: LoweringSettings) -> set:
     """What to put in Torch-TensorRT's ``torch_executed_ops`` for these lowering settings."""
     ops = {settings.marker()}
     if settings.attention == "flash":
-        ops |= {FLASH_ATTENTION, JOINT_ATTENTION}
+        ops |= {FLASH_ATTENTION, JOINT_ATTENTION, PRX_ATTENTION}
     return ops
 
 
