@@ -371,29 +371,27 @@ def kernel_profile(fn, steps=3):
     }
 
 
-@section("variants_depth4")
-def variants_depth4():
-    """Full-width PRX with 4 blocks, 1024^2 batch 2, static: what each lowering switch buys."""
-    cfg = {"depth": 4}
-    model = make_prx(cfg, dtype=torch.bfloat16, device="cuda")
+def compare_depth4(variants: dict[str, dict]) -> dict:
+    """Full-width PRX with 4 blocks, 1024^2 batch 2, static: each variant's CompileConfig overrides
+    built in turn, with accuracy, step time with and without CUDA graphs, and a kernel profile."""
+    model = make_prx({"depth": 4}, dtype=torch.bfloat16, device="cuda")
     kw = example_inputs(
         model.config, 2, 128, 128, 256, dtype=torch.bfloat16, device="cuda", masked_tokens=200
     )
     with torch.no_grad():
         ref = model(**kw, return_dict=False)[0]
         out = {"eager_ms": time_cuda(lambda: model(**kw, return_dict=False))["ms"]}
-    for name, sw in {
-        "generic_flash": dict(joint_attention=False, select_as_slice=False),
-        "joint": dict(joint_attention=True, select_as_slice=False),
-        "joint+select_as_slice": dict(joint_attention=True, select_as_slice=True),
-    }.items():
+    for name, sw in variants.items():
         try:
             ct = compile_prx(model, static=True, opt_batch=2, text_len=[256, 256], resolution=1024, **sw)
             t0 = time.time()
             o = ct(**kw, return_dict=False)[0]
-            r = {"build_s": time.time() - t0, "rel_err": rel_err(o, ref), "engines": ct.report()["engines"]}
+            rep = ct.report()
+            r = {"build_s": time.time() - t0, "rel_err": rel_err(o, ref), "engines": rep["engines"]}
+            r["torch_segments"] = rep["torch_segments"]
             r["ms_graphs"] = time_cuda(lambda ct=ct: ct(**kw, return_dict=False))["ms"]
             ct._graphs = None
+            r["ms_no_graphs"] = time_cuda(lambda ct=ct: ct(**kw, return_dict=False))["ms"]
             r["profile"] = kernel_profile(lambda ct=ct: ct(**kw, return_dict=False))
             out[name] = r
             ct.backend.mttm = None  # free the engines before the next variant
@@ -402,6 +400,18 @@ def variants_depth4():
             traceback.print_exc()
             out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     return out
+
+
+@section("variants_depth4")
+def variants_depth4():
+    """What each lowering switch buys on the 4-block model."""
+    return compare_depth4(
+        {
+            "generic_flash": dict(joint_attention=False, select_as_slice=False, fused_attention=False),
+            "joint": dict(joint_attention=True, select_as_slice=False, fused_attention=False),
+            "joint+select_as_slice": dict(joint_attention=True, select_as_slice=True, fused_attention=False),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -15,13 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_device import kernel_profile  # noqa: E402
+from probe_device import compare_depth4  # noqa: E402
 
-from prx_compile import _kernels, compile_prx  # noqa: E402
+from prx_compile import _kernels  # noqa: E402
 from prx_compile.bench import environment, rel_err, time_cuda  # noqa: E402
-from prx_compile.export import example_inputs  # noqa: E402
 from prx_compile.ops import joint_attention, prx_attention, qk_norm_rope_torch  # noqa: E402
-from prx_compile.testing import make_prx  # noqa: E402
 
 
 def ops() -> dict:
@@ -68,32 +66,7 @@ def ops() -> dict:
 
 def depth4() -> dict:
     """Full-width PRX with 4 blocks, 1024² batch 2, static: fused_attention on and off."""
-    model = make_prx({"depth": 4}, dtype=torch.bfloat16, device="cuda")
-    kw = example_inputs(
-        model.config, 2, 128, 128, 256, dtype=torch.bfloat16, device="cuda", masked_tokens=200
-    )
-    with torch.no_grad():
-        ref = model(**kw, return_dict=False)[0]
-    out = {"eager_ms": time_cuda(lambda: model(**kw, return_dict=False))["ms"]}
-    for name, sw in {"unfused": dict(fused_attention=False), "fused": dict(fused_attention=True)}.items():
-        try:
-            ct = compile_prx(model, static=True, opt_batch=2, text_len=[256, 256], **sw)
-            o = ct(**kw, return_dict=False)[0]
-            r = {
-                "rel_err": rel_err(o, ref),
-                **{k: ct.report()[k] for k in ("engines", "torch_segments", "build_s")},
-            }
-            r["ms_graphs"] = time_cuda(lambda ct=ct: ct(**kw, return_dict=False))["ms"]
-            ct._graphs = None
-            r["ms_no_graphs"] = time_cuda(lambda ct=ct: ct(**kw, return_dict=False))["ms"]
-            r["profile"] = kernel_profile(lambda ct=ct: ct(**kw, return_dict=False))
-            out[name] = r
-            ct.backend.mttm = None
-            torch.cuda.empty_cache()
-        except Exception as e:
-            traceback.print_exc()
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    return out
+    return compare_depth4({"unfused": dict(fused_attention=False), "fused": dict(fused_attention=True)})
 
 
 if __name__ == "__main__":
