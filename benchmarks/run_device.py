@@ -8,7 +8,8 @@ Phases:
             with the pipeline's text mask (one process, one run) + switches that need no rebuild.
   forms     both attention forms (+ fused attention) with reshape patchify (diffusers 0.42).
   forms_fold  both attention forms with fold patchify (diffusers 0.36).
-  perf      static builds at 1024² b1 and 512² b2 against eager and torch.compile.
+  perf      static builds at 1024² b2 (with and without fused attention), 1024² b1 and 512² b2,
+            each against eager and torch.compile.
   lora      rank-64 LoRA over every attention/MLP linear: refit time, A->B->A, latency after refit;
             engine cache miss then hit; save, then load in a new process.
   pipeline  a full PRXPipeline (real-size transformer, small random text encoder, latents out):
@@ -290,7 +291,8 @@ def pipeline(out: Path) -> None:
         run(tc, 2)
         _, res["torch_compile_s"] = run(tc)
         res["speedup_vs_torch_compile"] = res["torch_compile_s"] / res["compile_prx_s"]
-    (out / "pipeline_e2e_static_h200.json").write_text(json.dumps(res, indent=1, default=str))
+    kind = "static" if ct.compile_config.static else "dynamic"
+    (out / f"pipeline_e2e_{kind}_h200.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
 
 
