@@ -1,11 +1,15 @@
 """prx_compile: a Torch-TensorRT compilation backend for diffusers' PRX transformer.
 
-pipe.transformer = compile_prx(pipe.transformer)
+    pipe.transformer = compile_prx(pipe.transformer)
+
+The public API is this module's ``__all__``.
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.prx_compile.*)
-from .config import CompileConfig
-from .errors import (
+__version__ = "0.2.0"
+
+from . import ops  # noqa: F401, E402  (registers torch.ops.prx_compile.*)
+from .config import CompileConfig  # noqa: E402
+from .errors import (  # noqa: E402
     ArtifactError,
     BackendUnavailableError,
     ConfigError,
@@ -13,10 +17,9 @@ from .errors import (
     PRXCompileError,
     ShapeOutOfRangeError,
 )
-from .module import CompiledTransformer, compile_prx
-from .serialization import load_compiled, save_compiled
-
-__version__ = "0.1.0"
+from .lora import load_lora, set_lora, unload_lora  # noqa: E402
+from .module import CompiledTransformer, compile_prx  # noqa: E402
+from .saving import inspect_artifact, load_compiled, save_compiled  # noqa: E402
 
 __all__ = [
     "compile_prx",
@@ -24,6 +27,10 @@ __all__ = [
     "CompileConfig",
     "save_compiled",
     "load_compiled",
+    "inspect_artifact",
+    "load_lora",
+    "set_lora",
+    "unload_lora",
     "PRXCompileError",
     "ConfigError",
     "BackendUnavailableError",

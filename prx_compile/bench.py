@@ -1,5 +1,10 @@
-"""Benchmark harness: per-step latency, build time, peak memory and accuracy of several paths,
-measured in one process on the same inputs and weights. See ``run_bench`` and ``prx-compile bench``.
+"""Benchmark harness: per-step latency, build time, memory and accuracy of several paths, measured in
+one process on the same weights and inputs (``run_bench`` and ``prx-compile bench``).
+
+A path is a name and a function that turns the eager transformer into something callable with PRX's
+forward kwargs. ``PATHS`` holds the peers (eager, torch.compile in two modes, plain MTTM) and
+``compile_prx``; ``compile_path`` makes a compile_prx path for any config. Each path is built once, on
+the first case, then timed warm (warm-up calls, CUDA synchronised, median of ``iters`` calls).
 """
 
 from __future__ import annotations
@@ -8,7 +13,6 @@ import gc
 import json
 import logging
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -32,10 +36,9 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> dict[str, float]:
-    """Per-call milliseconds with CUDA events (synchronised): median ``ms``, mean, p50, p90.
-
-    On a CPU, wall-clock time with the same statistics.
-    """
+    """Per-call milliseconds, synchronised: median ``ms``, mean, p90 (CUDA events; wall clock on CPU)."""
+    if iters < 1:
+        raise ValueError("iters must be at least 1")
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
@@ -58,15 +61,11 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> dic
     return {
         "ms": statistics.median(times),
         "mean": statistics.fmean(times),
-        "p50": statistics.median(times),
-        "p90": times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))],
+        "p90": times[min(len(times) - 1, round(0.9 * (len(times) - 1)))],
         "iters": iters,
     }
 
 
-# -- harness -----------------------------------------------------------------------------------
-#: Paths the harness knows. compile_prx variants are written "compile_prx[key=value,...]".
-PATHS = ("eager", "torch.compile", "plain_mttm", "compile_prx")
 MASKS = ("pipeline", "none", "full")
 
 
@@ -74,9 +73,9 @@ MASKS = ("pipeline", "none", "full")
 class Case:
     """One input configuration: pixel resolution (h, w), transformer batch, text mask kind.
 
-    mask: "pipeline" — what PRXPipeline passes with guidance (row 0: empty negative prompt, 1 token
-    kept; row 1: a 40-token prompt; all padded to ``text_len``); "full" — every token kept;
-    "none" — attention_mask=None.
+    mask: "pipeline": what PRXPipeline passes with guidance (row 0: empty negative prompt, 1 token
+    kept; row 1: a 40-token prompt; all padded to ``text_len``); "full": every token kept;
+    "none": attention_mask=None.
     """
 
     resolution: tuple[int, int] = (1024, 1024)
@@ -99,7 +98,7 @@ class Case:
             keep = [1, 40] if self.batch == 2 else [40] * self.batch
             mask = torch.zeros(self.batch, self.text_len, dtype=torch.bool, device=device)
             for i, n in enumerate(keep):
-                mask[i, :n] = True
+                mask[i, : min(n, self.text_len)] = True
             kw["attention_mask"] = mask
         return kw
 
@@ -120,6 +119,8 @@ class Record:
     rel_err: float | None = None
     engines: int | None = None
     torch_segments: int | None = None
+    config: str | None = None
+    weights: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,245 +138,173 @@ def environment() -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-    try:
-        from .backends import trt_shim
+        try:
+            from .backends import trt_shim
 
-        env.update(trt_shim.versions())
-    except Exception as e:  # no TensorRT here: say so in the file
-        env["torch_tensorrt"] = f"unavailable ({type(e).__name__})"
+            env.update(trt_shim.versions())
+        except Exception as e:  # no TensorRT here: say so in the file
+            env["torch_tensorrt"] = f"unavailable ({type(e).__name__})"
+    else:
+        env["torch_tensorrt"] = "unavailable (no GPU)"
     return env
 
 
-def parse_path(path: str) -> tuple[str, dict[str, Any]]:
-    """``compile_prx[attention=tensorrt,text_len=[1,77]]`` -> ("compile_prx", {...}), YAML-typed values."""
-    import yaml
-
-    if "[" not in path:
-        return path, {}
-    name, body = path[:-1].split("[", 1)
-    overrides = {}
-    for item in filter(None, re.split(r",(?![^\[]*\])", body)):  # commas outside [...]
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = yaml.safe_load(v)
-    return name, overrides
+Factory = Callable[[torch.nn.Module], Callable[..., Any]]
 
 
-class _Runner:
-    """Builds one path lazily and runs it on PRX forward kwargs."""
+def compile_path(config: Any = None, **overrides: Any) -> Factory:
+    """A compile_prx path: ``compile_prx(model, config=config, **overrides)``."""
 
-    def __init__(self, path: str, model: torch.nn.Module, config_for_prx: dict[str, Any]):
-        self.path = path
-        self.name, self.overrides = parse_path(path)
-        if self.name not in PATHS:
-            raise ValueError(f"unknown benchmark path {path!r}; known: {PATHS}")
-        self.model = model
-        self.base_config = config_for_prx
-        self.fn = None
-        self.build_s = None
-        self.info: dict[str, Any] = {}
+    def make(model):
+        from .module import compile_prx
 
-    def build(self, kw: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
-        if self.name == "eager":
-            self.fn = self.model
-        elif self.name == "torch.compile":
-            self.fn = torch.compile(self.model, **self.overrides)
-        elif self.name == "plain_mttm":
-            from .backends import trt_shim
+        return compile_prx(model, config=config, **overrides)
 
-            ttrt = trt_shim.torch_tensorrt()
-            self.fn = ttrt.MutableTorchTensorRTModule(self.model, strict=False, **self.overrides)
-        else:
-            from .module import compile_prx
+    make.config = config if isinstance(config, str) else ("default" if config is None else "custom")
+    make.weights = overrides.get("weights")
+    return make
 
-            self.fn = compile_prx(self.model, **{**self.base_config, **self.overrides})
-        with torch.no_grad():
-            self.fn(**kw, return_dict=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.build_s = time.perf_counter() - t0
-        self.info = self.partition_info()
 
-    def partition_info(self) -> dict[str, Any]:
-        if self.name == "compile_prx":
-            r = self.fn.report()
-            return {
-                "engines": r["engines"],
-                "torch_segments": r["torch_segments"],
-                "torch_ops": r["torch_ops"],
-            }
-        if self.name == "plain_mttm":
-            from .backends import trt_shim
+def _mttm(model):
+    from .backends import trt_shim
 
-            return {
-                "engines": len(trt_shim.engine_modules(self.fn.gm)),
-                "torch_segments": len(trt_shim.torch_segments(self.fn.gm)),
-            }
-        return {}
+    return trt_shim.torch_tensorrt().MutableTorchTensorRTModule(model, strict=False)
 
-    def __call__(self, kw):
-        with torch.no_grad():
-            return self.fn(**kw, return_dict=False)[0]
+
+PATHS: dict[str, Factory] = {
+    "eager": lambda model: model,
+    "torch.compile": lambda model: torch.compile(model),
+    "torch.compile-max-autotune": lambda model: torch.compile(model, mode="max-autotune"),
+    "plain_mttm": _mttm,
+    "compile_prx": compile_path(),
+}
 
 
 def run_bench(
     cases: list[Case],
-    paths: list[str],
+    paths: list[str] | dict[str, Factory],
     *,
-    model_config: dict[str, Any] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    patchify: str = "reshape",
-    prx_config: dict[str, Any] | None = None,
+    model: torch.nn.Module,
     warmup: int = 3,
     iters: int = 10,
     out_json: str | Path | None = None,
     out_png: str | Path | None = None,
     progress: bool = True,
     first_case_only: tuple[str, ...] = ("plain_mttm",),
-    runtime_ablation: bool = False,
 ) -> dict[str, Any]:
-    """Time every path on every case in this process, on the same non-degenerate weights and inputs.
+    """Time every path on every case in this process, on ``model``'s weights and the same inputs.
 
-    Args:
-        cases: input configurations; each path is built once, on the first case.
-        paths: names from ``PATHS``; "compile_prx[k=v,...]" adds CompileConfig overrides.
-        model_config: PRX constructor kwargs ({} = the 1.17 B default; None = the tiny test PRX).
-        prx_config: CompileConfig keys shared by every compile_prx path.
-        first_case_only: paths timed on the first case only (plain MTTM rebuilds for every new shape).
-        runtime_ablation: for compile_prx paths, also time the first case without CUDA graphs and with
-            each joint-attention kernel pair — same build, same process.
+    paths: names from ``PATHS``, or {label: factory}. Each path is built on the first case.
+    first_case_only: paths timed on the first case only (plain MTTM rebuilds for every new shape).
 
-    Returns:
-        {"env": {...}, "records": [Record as dict, ...]} — also written to ``out_json``.
+    Returns {"env": ..., "records": [Record as dict]}, also written to ``out_json`` after every record
+    (so a run cut short keeps what it measured). A path that fails gets a record with
+    ``extra["error"]``; ``failures(result)`` lists them.
     """
-    from .testing import make_prx
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = make_prx(model_config, patchify=patchify, dtype=dtype, device=device)
-    prx_config = {"device": device, **(prx_config or {})}
-    if device == "cpu":
-        prx_config.setdefault("backend", "eager")
-    records: list[Record] = []
-    env = environment()
-    refs = {}
+    if isinstance(paths, list):
+        unknown = [p for p in paths if p not in PATHS]
+        if unknown:
+            raise ValueError(f"unknown benchmark path(s) {unknown}; known: {list(PATHS)}")
+        paths = {p: PATHS[p] for p in paths}
+    p0 = next(model.parameters())
+    device, dtype = str(p0.device.type), p0.dtype
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    env, records, refs = environment(), [], {}
     for case in cases:
         kw = case.inputs(model.config, dtype, device)
         with torch.no_grad():
             refs[case.label()] = (kw, model(**kw, return_dict=False)[0].float())
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    for path in paths:
-        runner = _Runner(path, model, prx_config)
+
+    def save():
+        if out_json:
+            Path(out_json).write_text(
+                json.dumps({"env": env, "records": [asdict(r) for r in records]}, indent=1, default=str)
+            )
+
+    for label, factory in paths.items():
+        fn = None
         for i, case in enumerate(cases):
-            if i > 0 and parse_path(path)[0] in first_case_only:
+            if i > 0 and label in first_case_only:
                 break
             kw, ref = refs[case.label()]
             rec = Record(
-                path=path,
-                resolution=list(case.resolution),
-                batch=case.batch,
-                mask=case.mask,
-                dtype=dtype_name,
+                label,
+                list(case.resolution),
+                case.batch,
+                case.mask,
+                dtype_name,
+                config=getattr(factory, "config", None),
+                weights=getattr(factory, "weights", None),
             )
             try:
                 if device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                if i == 0:
+                t0 = time.perf_counter()
+                if fn is None:
                     if progress:
-                        print(f"[bench] building {path} ...", flush=True)
-                    runner.build(kw)
-                    rec.build_s = runner.build_s
+                        print(f"[bench] building {label} ...", flush=True)
+                    fn = factory(model)
+                with torch.no_grad():
+                    out = fn(**kw, return_dict=False)[0]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                if i == 0:
+                    rec.build_s = first_s
                 else:
-                    t0 = time.perf_counter()
-                    runner(kw)  # a new shape: counts as this case's first call
-                    rec.extra["first_call_s"] = time.perf_counter() - t0
-                out = runner(kw)
+                    rec.extra["first_call_s"] = first_s
                 rec.rel_err = rel_err(out, ref)
                 rec.extra["max_abs_err"] = max_abs_err(out, ref)
                 rec.extra["nan"] = bool(torch.isnan(out).any())
-                t = time_cuda(lambda kw=kw, runner=runner: runner(kw), warmup=warmup, iters=iters)
+
+                def step(fn=fn, kw=kw):
+                    with torch.no_grad():
+                        return fn(**kw, return_dict=False)
+
+                t = time_cuda(step, warmup=warmup, iters=iters)
                 rec.ms_per_step = t["ms"]
-                rec.extra.update({k: t[k] for k in ("mean", "p50", "p90")})
-                rec.engines = runner.info.get("engines")
-                rec.torch_segments = runner.info.get("torch_segments")
-                if runner.info.get("torch_ops"):
-                    rec.extra["kept_in_pytorch"] = runner.info["torch_ops"]
-                if runner.name == "compile_prx":
-                    rec.extra["builds"] = runner.fn.builds
+                rec.extra.update({k: t[k] for k in ("mean", "p90")})
+                if hasattr(fn, "report"):
+                    r = fn.report()
+                    rec.engines, rec.torch_segments = r["engines"], r["torch_segments"]
+                    rec.weights = r["weights"]
+                    rec.extra.update(
+                        kept_in_pytorch=r["torch_ops"], builds=r["builds"], engine_sets=r["engine_sets"]
+                    )
                 if device == "cuda":
                     rec.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30
                     free, total = torch.cuda.mem_get_info()
                     rec.extra["device_mem_in_use_gb"] = (total - free) / 2**30
             except Exception as e:
-                logger.exception("bench path %s failed on %s", path, case.label())
+                logger.exception("bench path %s failed on %s", label, case.label())
                 rec.extra["error"] = f"{type(e).__name__}: {e}"[:500]
             records.append(rec)
             if progress:
-                line = (
-                    f"{path:40s} {case.label():28s} {fmt(rec.ms_per_step)} ms  rel_err {fmt(rec.rel_err, 4)}"
+                print(
+                    f"[bench] {label:40s} {case.label():28s} {fmt(rec.ms_per_step)} ms  "
+                    f"rel_err {fmt(rec.rel_err, 4)}"
+                    + (f"  ERROR {rec.extra['error'][:200]}" if "error" in rec.extra else ""),
+                    flush=True,
                 )
-                print(f"[bench] {line}", flush=True)
-            if i == 0 and runtime_ablation and runner.name == "compile_prx" and runner.fn is not None:
-                records += _runtime_ablation(runner, rec, kw, ref, warmup, iters)
-            if out_json:  # partial results survive a run cut short
-                Path(out_json).write_text(
-                    json.dumps({"env": env, "records": [asdict(r) for r in records]}, indent=1, default=str)
-                )
-        if runner.name in ("plain_mttm", "compile_prx", "torch.compile"):
-            runner.fn = None  # free engines / compiled graphs before the next path
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            save()
+        fn = None
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     result = {"env": env, "records": [asdict(r) for r in records]}
-    if out_json:
-        Path(out_json).write_text(json.dumps(result, indent=1, default=str))
+    save()
     if out_png:
         plot(result, out_png)
-    print(table(result))
     return result
 
 
-def _runtime_ablation(runner: _Runner, base: Record, kw, ref, warmup: int, iters: int) -> list[Record]:
-    """Switches that need no rebuild, timed on the same build: CUDA graphs off; joint-attention kernels."""
-    from . import ops
-
-    ct = runner.fn
-    out = []
-
-    def record(label: str) -> Record:
-        r = Record(
-            path=f"{runner.path} ({label})",
-            resolution=base.resolution,
-            batch=base.batch,
-            mask=base.mask,
-            dtype=base.dtype,
-            engines=base.engines,
-            torch_segments=base.torch_segments,
-        )
-        try:
-            r.rel_err = rel_err(runner(kw), ref)
-            t = time_cuda(lambda: runner(kw), warmup=warmup, iters=iters)
-            r.ms_per_step = t["ms"]
-            r.extra.update({k: t[k] for k in ("mean", "p50", "p90")})
-        except Exception as e:
-            r.extra["error"] = f"{type(e).__name__}: {e}"[:300]
-        print(f"[bench] {r.path:60s} {fmt(r.ms_per_step)} ms", flush=True)
-        return r
-
-    graphs, ct._graphs = ct._graphs, None
-    out.append(record("no CUDA graphs"))
-    ct._graphs = graphs
-    default = ops.DEFAULT_JOINT_IMPL
-    for impl in ops.JOINT_IMPLS[1:]:
-        if impl == default:
-            continue
-        ops.DEFAULT_JOINT_IMPL = impl
-        if ct._graphs is not None:
-            ct._graphs.reset()  # captured launches hold the old kernels
-        out.append(record(f"joint attention {impl}"))
-    ops.DEFAULT_JOINT_IMPL = default
-    if ct._graphs is not None:
-        ct._graphs.reset()
-    return out
+def failures(result: dict[str, Any]) -> list[str]:
+    """'path on case: error' for every record that failed."""
+    return [
+        f"{r['path']} on {r['resolution'][0]}x{r['resolution'][1]} b{r['batch']}: {r['extra']['error']}"
+        for r in result["records"]
+        if "error" in r["extra"]
+    ]
 
 
 def fmt(v: Any, digits: int = 2) -> str:
@@ -410,9 +339,8 @@ def table(result: dict[str, Any]) -> str:
         err = r["extra"].get("error")
         lines.append(
             f"{r['path'][:38]:38s} {case:26s} {fmt(ms):>8s} {sp[0]:>8s} {sp[1]:>6s} "
-            f"{fmt(r['build_s'], 1):>8s} "
-            f"{fmt(r['rel_err'], 4):>8s} {fmt(r['engines']):>4s} {fmt(r['torch_segments']):>4s}"
-            + (f"  ERROR {err[:60]}" if err else "")
+            f"{fmt(r['build_s'], 1):>8s} {fmt(r['rel_err'], 4):>8s} {fmt(r['engines']):>4s} "
+            f"{fmt(r['torch_segments']):>4s}" + (f"  ERROR: {err}" if err else "")
         )
     return "\n".join(lines)
 
@@ -446,7 +374,8 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("ms per transformer step (lower is better)")
     env = result["env"]
     ax.set_title(
-        f"PRX on {env.get('gpu')} — torch {env.get('torch')}, Torch-TensorRT {env.get('torch_tensorrt')} "
+        f"PRX on {env.get('gpu') or 'CPU'}, torch {env.get('torch')}, "
+        f"Torch-TensorRT {env.get('torch_tensorrt')} "
         f"({env.get('tensorrt_package', 'no TensorRT')} {env.get('tensorrt', '')})",
         fontsize=8,
     )

@@ -1,12 +1,14 @@
 """``CompileConfig``: every knob of ``compile_prx`` in one dataclass, with YAML presets.
 
-A config is built from keyword arguments, a dict, a YAML file or a preset name from ``configs/``.
-Unknown keys and bad values raise ``ConfigError`` naming the key and the allowed values.
+A config is built from keyword arguments, a dict, a YAML file or a preset name from ``configs/``
+(shipped inside the wheel as ``prx_compile/configs``). Unknown keys and bad values raise
+``ConfigError`` naming the key and the allowed values; nothing is silently corrected.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,31 +20,18 @@ from .export import ShapeRange
 
 BACKENDS = ("tensorrt", "inductor", "eager")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ATTENTION = ("flash", "tensorrt")
-ON_SHAPE_MISS = ("error", "rebuild")
-RUNTIMES = ("python", "cpp")
+ATTENTION = ("fused", "flash", "tensorrt")
+WEIGHTS = ("inputs", "engine")
+ON_SHAPE_MISS = ("build", "error")
 BIN_FAMILIES = (256, 512, 1024)
-#: Settings whose change forces an engine rebuild (everything else is a refit or a runtime switch).
-REBUILD_KEYS = (
-    "dtype",
-    "attention",
-    "joint_attention",
-    "fused_attention",
-    "select_as_slice",
-    "batch",
-    "resolution",
-    "aspect_bins",
-    "text_len",
-    "vae_scale_factor",
-    "static",
-    "opt_batch",
-    "opt_text_len",
-    "optimization_level",
-    "runtime",
-    "backend",
-)
+#: Settings an engine depends on (besides the model and its shapes): a change means new engines, and
+#: the engine cache and artifacts key on them. Everything else is a runtime switch.
+ENGINE_KEYS = ("backend", "dtype", "attention", "select_as_slice", "weights", "optimization_level")
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+_PACKAGED = Path(__file__).resolve().parent / "configs"  # in a wheel
+_CHECKOUT = Path(__file__).resolve().parent.parent / "configs"  # in a source checkout (editable install)
+PRESET_DIR = _PACKAGED if _PACKAGED.is_dir() else _CHECKOUT
+_PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def _aspect_bins(family: int) -> list[tuple[int, int]]:
@@ -51,52 +40,59 @@ def _aspect_bins(family: int) -> list[tuple[int, int]]:
     return [tuple(v) for v in ASPECT_RATIO_BINS[family].values()]
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class CompileConfig:
     """How ``compile_prx`` builds and runs the transformer.
 
-    backend: "tensorrt" (Torch-TensorRT MTTM engines), "inductor" (torch.compile of the lowered
-        graph) or "eager" (the lowered graph as is). No silent fallback between them.
-    dtype: "bf16" | "fp16" | "fp32" — must be the transformer's dtype (None: take the model's).
-    attention: "flash" — attention in a flash kernel between TensorRT engines (fast, exact under
-        the text mask); "tensorrt" — attention decomposed inside TensorRT (a single engine).
+    backend: "tensorrt" (Torch-TensorRT engines), "inductor" (torch.compile of the lowered graph) or
+        "eager" (the lowered graph as is). No silent fallback between them.
+    dtype: "bf16" | "fp16" | "fp32": must be the transformer's dtype (None: take the model's).
+    attention: "fused": each PRX attention core (QK RMSNorm, RoPE, joint text+image attention) is one
+        ``prx_compile::prx_attention`` op between engines (Triton + cuDNN on the GPU);
+        "flash": the lowering rule's ``joint_attention`` op between engines (TensorRT does norm/RoPE);
+        "tensorrt": attention decomposed inside TensorRT (fewest engines, slowest attention).
+    weights: "inputs": the engines read the transformer's own parameters (one copy of the weights; a
+        LoRA is an in-place update, nothing is refit); "engine": weights baked into each engine
+        (refit after a LoRA, one copy per engine set).
     cuda_graphs: replay the whole transformer step as one CUDA graph per input shape (CUDA only).
-    joint_attention: with attention="flash", run PRX's text+image attention as a dense flash kernel
-        over image keys plus a small masked kernel over text keys, merged exactly (log-sum-exp).
-    fused_attention: with attention="flash", run each PRX attention core (QK RMSNorm, RoPE, joint
-        attention) as one ``prx_compile::prx_attention`` op: a Triton pass per operand instead of
-        TensorRT's norm/RoPE/layout kernels (see ``prx_compile.fusion``).
     select_as_slice: lower constant-index ``select`` to ``slice`` (avoids TensorRT gather kernels).
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
-    resolution: the pixel resolution the engines are tuned for (square), e.g. 1024.
-    aspect_bins: PRX aspect-ratio bin families covered, e.g. [512, 1024]; [] = only ``resolution``.
+    resolution: the square pixel resolution the range is tuned for, e.g. 1024.
+    aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
+        ``resolution``.
     text_len: [min, max] text tokens. vae_scale_factor: pixels per latent (8 for PRX's VAE).
-    static: build for the tuning point only (batch max, resolution², text max).
-    opt_batch / opt_text_len: the tuning point (default: the maxima).
-    on_shape_miss: "error" (raise, naming the range) or "rebuild" (build again for the wider range).
-    runtime: Torch-TensorRT runtime: "python" (live engines, fast partial refit) or "cpp".
+    specialize: serving shapes that get engines of their own, as [height, width, batch] in pixels
+        (text length: the maximum). None: ``resolution``² at the largest and smallest batch.
+        A call picks the most specific engine set that fits.
+    static: build only the ``specialize`` shapes, no engine set for the whole range.
+    opt_batch / opt_text_len: the range's tuning point (default: the maxima).
+    on_shape_miss: "build" (a shape outside every engine set gets engines of its own, with a
+        warning) or "error" (raise, naming the ranges).
     optimization_level: TensorRT builder level 0..5 (None: Torch-TensorRT's default).
     engine_cache_dir: directory of built engines reused across processes (None: no cache).
-    device: where the compiled module runs.
+    device: where the compiled module runs ("cuda", "cuda:N" or "cpu").
     """
 
     backend: str = "tensorrt"
     dtype: str | None = None
-    attention: str = "flash"
+    attention: str = "fused"
+    weights: str = "inputs"
     cuda_graphs: bool = True
-    joint_attention: bool = True
-    fused_attention: bool = True
     select_as_slice: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])
     text_len: list[int] = field(default_factory=lambda: [1, 256])
     vae_scale_factor: int = 8
+    specialize: list[list[int]] | None = None
     static: bool = False
     opt_batch: int | None = None
     opt_text_len: int | None = None
-    on_shape_miss: str = "error"
-    runtime: str = "python"
+    on_shape_miss: str = "build"
     optimization_level: int | None = None
     engine_cache_dir: str | None = None
     device: str = "cuda"
@@ -104,16 +100,16 @@ class CompileConfig:
     def __post_init__(self):
         def choice(key, allowed):
             v = getattr(self, key)
-            if v not in allowed:
+            if not isinstance(v, str) or v not in allowed:
                 raise ConfigError(f"{key}={v!r} is not allowed.", f"use one of {list(allowed)}.")
 
         choice("backend", BACKENDS)
         if self.dtype is not None:
             choice("dtype", DTYPES)
         choice("attention", ATTENTION)
+        choice("weights", WEIGHTS)
         choice("on_shape_miss", ON_SHAPE_MISS)
-        choice("runtime", RUNTIMES)
-        for key in ("cuda_graphs", "static", "joint_attention", "fused_attention", "select_as_slice"):
+        for key in ("cuda_graphs", "static", "select_as_slice"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
         for key in ("batch", "text_len"):
@@ -121,38 +117,78 @@ class CompileConfig:
             if (
                 not isinstance(v, (list, tuple))
                 or len(v) != 2
-                or not all(isinstance(x, int) for x in v)
-                or not 1 <= v[0] <= v[1]
+                or not all(_is_int(x) for x in v)
+                or not 1 <= v[0] <= v[1] <= 1 << 16
             ):
                 raise ConfigError(
-                    f"{key}={v!r} must be [min, max] with 1 <= min <= max.", f"e.g. {key}: [1, 2]"
+                    f"{key}={v!r} must be [min, max] integers with 1 <= min <= max.", f"e.g. {key}: [1, 2]"
                 )
             setattr(self, key, list(v))
         for key in ("resolution", "vae_scale_factor"):
             v = getattr(self, key)
-            if not isinstance(v, int) or v <= 0:
+            if not _is_int(v) or not 0 < v <= 1 << 16:
                 raise ConfigError(f"{key}={v!r} must be a positive integer.")
         if self.resolution % self.vae_scale_factor:
             raise ConfigError(
                 f"resolution={self.resolution} is not a multiple of vae_scale_factor={self.vae_scale_factor}."
             )
         if not isinstance(self.aspect_bins, (list, tuple)) or any(
-            b not in BIN_FAMILIES for b in self.aspect_bins
+            not _is_int(b) or b not in BIN_FAMILIES for b in self.aspect_bins
         ):
             raise ConfigError(
                 f"aspect_bins={self.aspect_bins!r}: each entry must be one of {list(BIN_FAMILIES)}.",
                 "use [] for the square resolution only.",
             )
         self.aspect_bins = list(self.aspect_bins)
+        if self.specialize is not None:
+            self.specialize = self._check_specialize(self.specialize)
+        if self.static and self.specialize == []:
+            raise ConfigError("static=true with specialize=[] leaves no engines to build.")
         for key, rng in (("opt_batch", self.batch), ("opt_text_len", self.text_len)):
             v = getattr(self, key)
-            if v is not None and not (isinstance(v, int) and rng[0] <= v <= rng[1]):
-                raise ConfigError(f"{key}={v!r} must lie in {rng}.")
-        if self.optimization_level is not None and self.optimization_level not in range(6):
+            if v is not None and not (_is_int(v) and rng[0] <= v <= rng[1]):
+                raise ConfigError(f"{key}={v!r} must be an integer in {rng}.")
+        if self.optimization_level is not None and (
+            not _is_int(self.optimization_level) or self.optimization_level not in range(6)
+        ):
             raise ConfigError(
                 f"optimization_level={self.optimization_level!r} is not allowed.",
                 "use an integer 0..5 or null.",
             )
+        if self.engine_cache_dir is not None and (
+            not isinstance(self.engine_cache_dir, str) or not self.engine_cache_dir
+        ):
+            raise ConfigError(f"engine_cache_dir={self.engine_cache_dir!r} must be a directory path or null.")
+        self.device = self._check_device(self.device)
+
+    def _check_specialize(self, shapes: Any) -> list[list[int]]:
+        hint = "e.g. specialize: [[1024, 1024, 2], [1024, 1024, 1]] (height, width, batch in pixels)."
+        if not isinstance(shapes, (list, tuple)):
+            raise ConfigError(f"specialize={shapes!r} must be a list of [height, width, batch].", hint)
+        out = []
+        for s in shapes:
+            if not isinstance(s, (list, tuple)) or len(s) != 3 or not all(_is_int(x) and x > 0 for x in s):
+                raise ConfigError(f"specialize entry {s!r} must be [height, width, batch] integers.", hint)
+            h, w, b = s
+            if h % self.vae_scale_factor or w % self.vae_scale_factor or max(h, w) > 1 << 16 or b > 1 << 16:
+                raise ConfigError(
+                    f"specialize entry {list(s)}: height and width must be multiples of "
+                    f"vae_scale_factor={self.vae_scale_factor}.",
+                    hint,
+                )
+            if [h, w, b] not in out:
+                out.append([h, w, b])
+        return out
+
+    @staticmethod
+    def _check_device(device: Any) -> str:
+        try:
+            d = torch.device(device) if isinstance(device, (str, torch.device)) else None
+        except (RuntimeError, ValueError):
+            d = None
+        if d is None or d.type not in ("cuda", "cpu"):
+            raise ConfigError(f"device={device!r} is not a device.", "use 'cuda', 'cuda:N' or 'cpu'.")
+        return str(d)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -161,7 +197,7 @@ class CompileConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
         names = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(names))
+        unknown = sorted(str(k) for k in set(data) - set(names))
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {unknown}.", f"valid keys: {names}.")
         return cls(**data)
@@ -173,10 +209,12 @@ class CompileConfig:
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError as e:
+        except (FileNotFoundError, IsADirectoryError) as e:
             raise ConfigError(f"config file {path} does not exist.") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
+        except (yaml.YAMLError, RecursionError) as e:
+            raise ConfigError(f"{path} is not valid YAML: {str(e)[:200]}") from e
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -192,7 +230,7 @@ class CompileConfig:
             base = cls.from_dict(config)
         elif isinstance(config, (str, Path)):
             p = Path(config)
-            if p.suffix in (".yaml", ".yml") or p.exists():
+            if p.suffix in (".yaml", ".yml") or p.is_file():
                 base = cls.from_yaml(p)
             else:
                 base = cls.from_yaml(preset_path(str(config)))
@@ -208,26 +246,30 @@ class CompileConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def replace(self, **changes: Any) -> CompileConfig:
+        """A validated copy with ``changes``."""
+        return CompileConfig.from_dict({**self.to_dict(), **changes}, source="replace")
+
     # -- derived --------------------------------------------------------------------------------
     def lowering(self):
         """The ``LoweringSettings`` this config asks for."""
         from .lowering import LoweringSettings
 
         return LoweringSettings(
-            attention=self.attention,
-            joint_attention=self.joint_attention,
+            attention="tensorrt" if self.attention == "tensorrt" else "flash",
             select_as_slice=self.select_as_slice,
         )
-
-    def fuses_attention(self) -> bool:
-        """Whether exports run PRX attention as ``prx_attention`` (``fused_attention`` with flash)."""
-        return self.fused_attention and self.attention == "flash"
 
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None
 
-    def shape_range(self, patch_size: int = 2) -> ShapeRange:
-        """Latent/batch/text ranges implied by the config (in latent pixels)."""
+    def engine_settings(self) -> dict[str, Any]:
+        """The settings engines depend on (``ENGINE_KEYS``)."""
+        d = self.to_dict()
+        return {k: d[k] for k in ENGINE_KEYS}
+
+    def range_shapes(self, patch_size: int = 2) -> ShapeRange:
+        """The whole range (every aspect bin, batch and text length), in latent pixels."""
         f = self.vae_scale_factor
         opt = self.resolution // f
         sizes = [(self.resolution, self.resolution)]
@@ -235,10 +277,6 @@ class CompileConfig:
             sizes += _aspect_bins(family)
         hs = [h // f for h, _ in sizes]
         ws = [w // f for _, w in sizes]
-        if self.static:
-            b = self.opt_batch or self.batch[1]
-            t = self.opt_text_len or self.text_len[1]
-            return ShapeRange((b, b), (opt, opt), (opt, opt), (t, t), multiple=patch_size)
         return ShapeRange(
             tuple(self.batch),
             (min(hs), max(hs)),
@@ -251,20 +289,34 @@ class CompileConfig:
             opt_text=self.opt_text_len,
         )
 
-    def rebuild_keys_changed(self, other: CompileConfig) -> list[str]:
-        """Keys whose difference from ``other`` forces a rebuild (the rest can be switched live)."""
-        a, b = self.to_dict(), other.to_dict()
-        return [k for k in REBUILD_KEYS if a[k] != b[k]]
+    def specialized_shapes(self, patch_size: int = 2) -> list[ShapeRange]:
+        """One static ``ShapeRange`` per ``specialize`` entry (default: resolution² at max and min batch)."""
+        f, r, t = self.vae_scale_factor, self.resolution, self.opt_text_len or self.text_len[1]
+        shapes = self.specialize
+        if shapes is None:
+            shapes = [[r, r, self.opt_batch or self.batch[1]]]
+            if [r, r, self.batch[0]] not in shapes:
+                shapes.append([r, r, self.batch[0]])
+        return [ShapeRange.static(b, h // f, w // f, t, multiple=patch_size) for h, w, b in shapes]
+
+    def shape_sets(self, patch_size: int = 2) -> list[ShapeRange]:
+        """Every engine set this config plans: the specialised shapes first, then the range."""
+        sets = self.specialized_shapes(patch_size)
+        if not self.static:
+            sets.append(self.range_shapes(patch_size))
+        return sets
 
 
 def preset_path(name: str) -> Path:
-    """configs/<name>.yaml, or a ConfigError listing the presets there."""
-    path = PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        have = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
+    """The YAML file of preset ``name``, or a ConfigError listing the presets."""
+    if not _PRESET_NAME.match(name) or ".." in name:
         raise ConfigError(
-            f"no preset named {name!r} (looked in {PRESET_DIR}).", f"available presets: {have}."
+            f"{name!r} is neither a YAML file nor a preset name.",
+            f"available presets: {list_presets()}; a file must end in .yaml.",
         )
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no preset named {name!r}.", f"available presets: {list_presets()}.")
     return path
 
 

@@ -1,8 +1,9 @@
 """Whole-step CUDA graphs: capture ``fn(**inputs)`` once per input signature, then replay it.
 
 One replay launches every TensorRT engine and every PyTorch op of the step (attention included), so
-the ~100 launches per step cost one. Graphs share one memory pool; ``reset()`` drops them (after a
-refit or rebuild, since captured launches point at the old engines).
+the ~100 launches per step cost one. Graphs share one memory pool (they replay one at a time and
+their outputs are copied out at once); ``reset()`` drops them (after a refit, or when the weights
+the captured launches read have moved).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ class CUDAGraphRunner:
     max_graphs: least-recently-used graphs beyond this are dropped.
     """
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 8, warmup: int = 2):
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 8, warmup: int = 2, pool=None):
         self.fn = fn
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.graphs: OrderedDict = OrderedDict()
-        self.pool = None
+        self.pool = pool
         self.captures = 0
         self.failures: dict[tuple, str] = {}  # input signatures that cannot be captured, and why
 

@@ -1,25 +1,32 @@
-"""Export a PRX transformer with dynamic batch, latent size and text length.
+"""Export one PRX transformer step with ``torch.export``: dynamic batch, latent size and text length,
+and (with ``weights="inputs"``) the transformer's parameters as graph inputs.
 
-diffusers' ``get_image_ids`` fills a zeros tensor by index assignment, which breaks export with
-dynamic height/width on some torch versions. ``shape_generic_position_ids`` swaps in a formulation
-built from ``arange``/``expand``/``stack`` that gives the same values for every shape.
+The hooks a PRX export needs are active only inside ``export_prx``:
+
+* diffusers' ``get_image_ids`` fills a zeros tensor by index assignment, which breaks export with
+  dynamic height/width; ``shape_generic_position_ids`` swaps in an ``arange``/``expand``/``stack``
+  formulation with the same values;
+* with ``fuse_attention``, every PRX attention module runs ``FusedPRXAttnProcessor``
+  (``prx_compile.fusion``) for the duration of the export.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch.export import Dim
 
+ACTIVATIONS = ("hidden_states", "timestep", "encoder_hidden_states", "attention_mask")
+
 
 def image_ids(
     batch_size: int, height: int, width: int, patch_size: int, device: torch.device
 ) -> torch.Tensor:
-    """(batch, (H/p)*(W/p), 2) float32 (row, col) patch coordinates — same values as diffusers'."""
+    """(batch, (H/p)*(W/p), 2) float32 (row, col) patch coordinates: the same values as diffusers'."""
     gh, gw = height // patch_size, width // patch_size
     rows = torch.arange(gh, device=device, dtype=torch.float32)[:, None].expand(gh, gw)
     cols = torch.arange(gw, device=device, dtype=torch.float32)[None, :].expand(gh, gw)
@@ -42,12 +49,12 @@ def shape_generic_position_ids() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ShapeRange:
-    """Inclusive ranges the compiled module accepts.
+    """Inclusive ranges one engine set accepts.
 
     batch: transformer batch (classifier-free guidance doubles the prompt batch).
     height, width: latent size, multiples of ``multiple`` (the patch size).
     text: text tokens.
-    opt_*: the point TensorRT tunes for.
+    opt_*: the point TensorRT tunes for (default: the maxima).
     """
 
     batch: tuple[int, int]
@@ -60,36 +67,78 @@ class ShapeRange:
     opt_width: int | None = None
     opt_text: int | None = None
 
-    def problems(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> list[str]:
-        """Why these inputs fall outside the range (empty list when they fit)."""
-        b, _, h, w = hidden_states.shape
-        t = encoder_hidden_states.shape[1]
+    @classmethod
+    def static(cls, batch: int, height: int, width: int, text: int, multiple: int = 2) -> ShapeRange:
+        """The range holding one shape (latent height and width)."""
+        return cls((batch, batch), (height, height), (width, width), (text, text), multiple)
+
+    def problems(self, batch: int, height: int, width: int, text: int) -> list[str]:
+        """Why this shape falls outside the range (empty list when it fits)."""
         out = []
         for name, v, (lo, hi) in (
-            ("batch", b, self.batch),
-            ("latent height", h, self.height),
-            ("latent width", w, self.width),
-            ("text length", t, self.text),
+            ("batch", batch, self.batch),
+            ("latent height", height, self.height),
+            ("latent width", width, self.width),
+            ("text length", text, self.text),
         ):
             if not lo <= v <= hi:
                 out.append(f"{name} {v} not in [{lo}, {hi}]")
-        for name, v in (("latent height", h), ("latent width", w)):
+        for name, v in (("latent height", height), ("latent width", width)):
             if v % self.multiple:
                 out.append(f"{name} {v} is not a multiple of the patch size {self.multiple}")
         return out
 
+    def fits(self, batch: int, height: int, width: int, text: int) -> bool:
+        return not self.problems(batch, height, width, text)
+
+    def volume(self) -> int:
+        """How many (batch, height, width, text) points the range holds: smaller is more specific."""
+        n = 1
+        for lo, hi in (self.batch, self.height, self.width, self.text):
+            n *= hi - lo + 1
+        return n
+
     def is_static(self) -> bool:
-        return all(lo == hi for lo, hi in (self.batch, self.height, self.width, self.text))
+        return self.volume() == 1
 
     def describe(self) -> str:
+        if self.is_static():
+            return (
+                f"batch {self.batch[0]}, latent {self.height[0]}x{self.width[0]}, text {self.text[0]} tokens"
+            )
         return (
             f"batch {self.batch[0]}..{self.batch[1]}, latent {self.height[0]}..{self.height[1]} x "
             f"{self.width[0]}..{self.width[1]} (multiples of {self.multiple}), "
             f"text {self.text[0]}..{self.text[1]} tokens"
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ShapeRange:
+        """Validated inverse of ``to_dict``; ValueError naming the field on bad data."""
+        if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
+            raise ValueError(f"shapes must have exactly the keys {sorted(cls.__dataclass_fields__)}")
+        out = {}
+        for key in ("batch", "height", "width", "text"):
+            v = data[key]
+            ok = isinstance(v, list) and len(v) == 2 and all(_small_int(x) for x in v) and 1 <= v[0] <= v[1]
+            if not ok:
+                raise ValueError(f"shapes.{key}={v!r} must be [min, max] positive integers")
+            out[key] = tuple(v)
+        if not _small_int(data["multiple"]) or data["multiple"] < 1:
+            raise ValueError(f"shapes.multiple={data['multiple']!r} must be a positive integer")
+        out["multiple"] = data["multiple"]
+        for key in ("opt_batch", "opt_height", "opt_width", "opt_text"):
+            v = data[key]
+            if v is not None and not (_small_int(v) and v >= 1):
+                raise ValueError(f"shapes.{key}={v!r} must be a positive integer or null")
+            out[key] = v
+        return cls(**out)
+
     def dynamic_shapes(self) -> dict[str, Any]:
-        """torch.export ``dynamic_shapes`` for PRX's forward kwargs (static dims left out)."""
+        """torch.export ``dynamic_shapes`` for the activations (static dims left out)."""
         m = self.multiple
 
         def dim(name: str, lo: int, hi: int, mult: int = 1):
@@ -122,6 +171,10 @@ class ShapeRange:
             self.opt_width or self.width[1],
             self.opt_text or self.text[1],
         )
+
+
+def _small_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 20
 
 
 def example_inputs(
@@ -159,13 +212,65 @@ def example_inputs(
     }
 
 
-def export_prx(model: torch.nn.Module, kwargs: dict[str, torch.Tensor], shapes: ShapeRange | None = None):
-    """``torch.export`` PRX (non-strict) with shape-generic position ids and ``return_dict=False``."""
+class PRXStep(torch.nn.Module):
+    """What ``export_prx`` exports: one transformer step, (B, C, H, W) out.
+
+    With ``weight_names``, the transformer's parameters are the ``weights`` argument (in that order)
+    and the transformer is not a submodule, so no weight is captured in the graph.
+    """
+
+    def __init__(self, model: torch.nn.Module, weight_names: list[str] | None = None):
+        super().__init__()
+        if weight_names is None:
+            self.model = model  # parameters are lifted into the exported program (baked into engines)
+        else:
+            object.__setattr__(self, "model", model)
+        self.weight_names = weight_names
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, attention_mask, weights=()):
+        args = (hidden_states, timestep, encoder_hidden_states, attention_mask)
+        if self.weight_names is None:
+            return self.model(*args, return_dict=False)[0]
+        params = dict(zip(self.weight_names, weights, strict=True))
+        return torch.func.functional_call(self.model, params, args, {"return_dict": False})[0]
+
+
+def export_prx(
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    shapes: ShapeRange | None = None,
+    *,
+    weights: str = "engine",
+    fuse_attention: bool = False,
+) -> tuple[torch.export.ExportedProgram, list[str] | None]:
+    """``torch.export`` one PRX step (non-strict) over ``shapes``.
+
+    Args:
+        model: a PRXTransformer2DModel in eval mode.
+        example: PRX forward kwargs (``ACTIVATIONS``), the shapes' tuning point.
+        shapes: dynamic ranges (None or a static range: static shapes).
+        weights: "inputs" (parameters are the graph's ``weights_*`` inputs) or "engine" (parameters
+            are lifted as the program's parameters).
+        fuse_attention: export with ``FusedPRXAttnProcessor`` (one ``prx_attention`` op per block).
+
+    Returns:
+        (ExportedProgram, the parameter names in ``weights_*`` order, or None for "engine").
+    """
+    from .fusion import fused_attention_processors
+
+    names = [n for n, _ in model.named_parameters()] if weights == "inputs" else None
+    kwargs = {k: example[k] for k in ACTIVATIONS}
     dyn = None
     if shapes is not None and not shapes.is_static():
-        dyn = {**shapes.dynamic_shapes(), "return_dict": None}
-        dyn = {k: v for k, v in dyn.items() if k in kwargs or k == "return_dict"}
-    with shape_generic_position_ids(), torch.no_grad():
-        return torch.export.export(
-            model, (), {**kwargs, "return_dict": False}, dynamic_shapes=dyn, strict=False
-        )
+        dyn = shapes.dynamic_shapes()
+    if names is not None:
+        kwargs["weights"] = [p.detach() for _, p in model.named_parameters()]
+        if dyn is not None:
+            dyn["weights"] = [None] * len(names)
+    with (
+        shape_generic_position_ids(),
+        fused_attention_processors(model, fuse_attention),
+        torch.no_grad(),
+    ):
+        ep = torch.export.export(PRXStep(model, names), (), kwargs, dynamic_shapes=dyn, strict=False)
+    return ep, names

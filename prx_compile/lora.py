@@ -7,9 +7,14 @@
 ``model`` is a PRXTransformer2DModel, a CompiledTransformer, or a PRXPipeline (its transformer).
 Fused weights are always recomputed from an exact copy of the originals,
 ``W = W0 + sum_a scale_a * alpha_a/r_a * B_a @ A_a`` (fp32, then the weight dtype), so switching
-A -> B -> A gives exactly A and unloading restores W0. On a compiled module only the engine weights
-that changed are refit: no re-export, no rebuild. Bad input raises ``LoRAError`` before anything
-changes.
+A -> B -> A gives exactly A and unloading restores W0. The new values are written into the
+transformer's parameters in place: with ``weights: inputs`` (the default) the compiled engines read
+those very tensors, so nothing else happens; with ``weights: engine`` only the engine weights that
+changed are refit. Bad input raises ``LoRAError`` before anything changes.
+
+The exact originals of the changed weights are kept beside them (on their device) while a LoRA is
+loaded; ``unload_lora`` frees them. Saved artifacts hold the original weights plus the adapters,
+and a loaded artifact has the same adapters active, so ``unload_lora`` after a reload is exact too.
 
 File layouts: diffusers/PEFT (``<module>.lora_A.weight``, ``<module>.lora_B.weight``, optional
 ``transformer.`` / ``base_model.model.`` prefix, optional ``<module>.alpha``) and kohya
@@ -19,6 +24,7 @@ File layouts: diffusers/PEFT (``<module>.lora_A.weight``, ``<module>.lora_B.weig
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 
 from .errors import LoRAError
+from .module import CompiledTransformer
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")
@@ -34,6 +41,7 @@ _ALPHA = re.compile(r"^(?P<mod>.+?)\.alpha$")
 _PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "diffusion_model.")
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 _FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass
@@ -77,9 +85,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | N
     if p.is_dir():
         cfg = p / "adapter_config.json"
         if cfg.is_file():
-            c = json.loads(cfg.read_text())
-            if c.get("lora_alpha") and c.get("r"):
-                peft_scale = float(c["lora_alpha"]) / float(c["r"])
+            peft_scale = _peft_scale(cfg)
         found = [p / f for f in _FILES if (p / f).is_file()]
         if not found:
             raise LoRAError(f"{p} holds no LoRA file (looked for {list(_FILES)}).")
@@ -92,6 +98,27 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | N
         raise LoRAError(
             f"{p} is not a safetensors LoRA file ({e}).", "LoRAs load from .safetensors only."
         ) from e
+
+
+def _peft_scale(path: Path) -> float | None:
+    """lora_alpha / r from a PEFT adapter_config.json (None when it gives neither)."""
+    try:
+        c = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise LoRAError(f"{path} is not valid JSON ({type(e).__name__}).") from e
+    if not isinstance(c, dict):
+        raise LoRAError(f"{path} must hold a JSON object.")
+    alpha, r = c.get("lora_alpha"), c.get("r")
+    if alpha is None and r is None:
+        return None
+    for key, v in (("lora_alpha", alpha), ("r", r)):
+        if not _finite_number(v) or v <= 0:
+            raise LoRAError(f"{path}: {key}={str(v)[:40]} must be a positive number.")
+    return float(alpha) / float(r)
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -137,9 +164,26 @@ def parse_lora(
             unmatched.append(key)
             continue
         if a is not None:
-            alphas[mod] = float(t.float().reshape(-1)[0])
+            if t.numel() != 1 or not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
+                raise LoRAError(f"LoRA {name!r}: {key} must hold one number.")
+            alpha = float(t.float().reshape(-1)[0])
+            if not math.isfinite(alpha):
+                raise LoRAError(f"LoRA {name!r}: {key} is {alpha}, not a finite number.")
+            if mod in alphas and alphas[mod] != alpha:
+                raise LoRAError(f"LoRA {name!r}: layer {mod} has two different alpha values.")
+            alphas[mod] = alpha
         else:
-            parts.setdefault(mod, {})["down" if m["part"] in ("A", "down") else "up"] = t
+            part = "down" if m["part"] in ("A", "down") else "up"
+            if not t.is_floating_point():
+                raise LoRAError(f"LoRA {name!r}: {key} is {t.dtype}, not a floating-point matrix.")
+            seen = parts.setdefault(mod, {}).get(part)
+            if seen is not None and not (seen.shape == t.shape and torch.equal(seen, t)):
+                raise LoRAError(
+                    f"LoRA {name!r}: layer {mod} has two different "
+                    f"{'lora_A/lora_down' if part == 'down' else 'lora_B/lora_up'} matrices.",
+                    "keep one key per layer and matrix.",
+                )
+            parts[mod][part] = t
     if unmatched and strict:
         raise LoRAError(
             f"LoRA {name!r}: {len(unmatched)} key(s) match no Linear layer of the PRX transformer, "
@@ -168,6 +212,11 @@ def parse_lora(
                 f"B ({lin.out_features}, {up.shape[1]}), got {tuple(down.shape)} and {tuple(up.shape)}."
             )
         rank = down.shape[0]
+        if rank == 0:
+            raise LoRAError(f"LoRA {name!r}: layer {mod} has rank 0.")
+        for label, t in (("A/down", down), ("B/up", up)):
+            if not bool(torch.isfinite(t).all()):
+                raise LoRAError(f"LoRA {name!r}: layer {mod} matrix {label} holds NaN or infinite values.")
         scale = alphas[mod] / rank if mod in alphas else (default_scale if default_scale is not None else 1.0)
         dev = lin.weight.device
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
@@ -193,8 +242,6 @@ def _module_name(raw: str, kohya: bool, linears: dict, by_underscore: dict) -> s
 # -- applying ----------------------------------------------------------------------------------
 def _target(model: Any):
     """(transformer holding the weights, compiled module or None) for a model/compiled/pipeline."""
-    from .module import CompiledTransformer
-
     model = getattr(model, "transformer", model) if not isinstance(model, CompiledTransformer) else model
     if isinstance(model, CompiledTransformer):
         return model.transformer, model
@@ -242,7 +289,8 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         if fqn not in state.originals:
             state.originals[fqn] = params[fqn].detach().clone()
     new = _weights_for(transformer, state, active, touched)
-    previous = {fqn: params[fqn].detach().clone() for fqn in touched} if compiled is not None else None
+    refit = compiled is not None and compiled.needs_refit
+    previous = {fqn: params[fqn].detach().clone() for fqn in touched} if refit else None
     with torch.no_grad():
         for fqn, w in new.items():
             params[fqn].copy_(w)
@@ -251,10 +299,11 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         try:
             report["refit"] = compiled.weights_changed(sorted(touched))
         except Exception:
-            with torch.no_grad():
-                for fqn, w in previous.items():
-                    params[fqn].copy_(w)
-            compiled.weights_changed(sorted(touched))
+            if previous is not None:
+                with torch.no_grad():
+                    for fqn, w in previous.items():
+                        params[fqn].copy_(w)
+                compiled.weights_changed(sorted(touched))
             raise
     state.active = dict(active)
     state.fused = {f for f in touched if f in wanted}
@@ -276,6 +325,9 @@ def load_lora(
     """
     transformer, compiled = _target(model)
     state = _state(transformer)
+    if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+        raise LoRAError(f"adapter name {str(name)[:40]!r} must be 1-64 of [A-Za-z0-9_.-].")
+    _check_scales([scale])
     if name in state.adapters:
         raise LoRAError(
             f"an adapter named {name!r} is already loaded.", "unload_lora() first, or use another name."
@@ -302,13 +354,20 @@ def set_lora(model: Any, names: str | list[str], scales: float | list[float] | N
     if scales is None:
         scales = [1.0] * len(names)
     elif isinstance(scales, (int, float)):
-        scales = [float(scales)] * len(names)
+        scales = [scales] * len(names)
     if len(scales) != len(names):
         raise LoRAError(f"set_lora got {len(names)} names and {len(scales)} scales.")
+    _check_scales(scales)
     unknown = [n for n in names if n not in state.adapters]
     if unknown:
         raise LoRAError(f"no adapter named {unknown} is loaded.", f"loaded: {sorted(state.adapters)}.")
     return _apply(transformer, compiled, state, dict(zip(names, map(float, scales), strict=True)))
+
+
+def _check_scales(scales: list[Any]) -> None:
+    for v in scales:
+        if not _finite_number(v):
+            raise LoRAError(f"LoRA scale {str(v)[:40]} is not a finite number.")
 
 
 def unload_lora(model: Any) -> dict[str, Any]:
@@ -331,6 +390,75 @@ def summary(model: Any) -> dict[str, Any] | None:
         "adapters": {n: {"layers": len(a.layers), "source": a.source} for n, a in state.adapters.items()},
         "active": dict(state.active),
     }
+
+
+def export_state(
+    model: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any] | None]:
+    """What an artifact stores of the LoRA state: (exact originals of the changed weights, every
+    adapter's matrices as ``<adapter>/<layer>/down|up``, a JSON record), or ({}, {}, None)."""
+    transformer, _ = _target(model)
+    state = transformer.__dict__.get("_prx_lora")
+    if state is None or not state.adapters:
+        return {}, {}, None
+    tensors, adapters = {}, {}
+    for name, adapter in state.adapters.items():
+        adapters[name] = {
+            "source": adapter.source[:500],
+            "layers": {m: lay.scale for m, lay in adapter.layers.items()},
+        }
+        for mod, layer in adapter.layers.items():
+            tensors[f"{name}/{mod}/down"], tensors[f"{name}/{mod}/up"] = layer.down, layer.up
+    return dict(state.originals), tensors, {"adapters": adapters, "active": dict(state.active)}
+
+
+def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Load the adapters ``export_state`` saved into a transformer that holds the original weights,
+    and activate them as they were. Raises LoRAError naming what is malformed (nothing changes)."""
+    if not isinstance(record, dict) or set(record) != {"adapters", "active"}:
+        raise LoRAError("the LoRA record must have exactly the keys ['active', 'adapters'].")
+    adapters_data, active = record["adapters"], record["active"]
+    if (
+        not isinstance(adapters_data, dict)
+        or not isinstance(active, dict)
+        or not set(active) <= set(adapters_data)
+    ):
+        raise LoRAError("the LoRA record's adapters and active scales do not match.")
+    _check_scales(list(active.values()))
+    linears = _linear_names(transformer)
+    adapters = {}
+    for name, data in adapters_data.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+            raise LoRAError(f"adapter name {str(name)[:40]!r} is not allowed.")
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"source", "layers"}
+            or not isinstance(data["layers"], dict)
+        ):
+            raise LoRAError(f"adapter {name!r}: the record must have exactly the keys ['layers', 'source'].")
+        layers = {}
+        for mod, scale in data["layers"].items():
+            lin = linears.get(mod) if isinstance(mod, str) else None
+            down, up = tensors.get(f"{name}/{mod}/down"), tensors.get(f"{name}/{mod}/up")
+            if lin is None or down is None or up is None or not _finite_number(scale):
+                raise LoRAError(f"adapter {name!r}: layer {str(mod)[:80]!r} is unknown or incomplete.")
+            ok = (
+                down.dim() == 2
+                and up.dim() == 2
+                and down.dtype == up.dtype == torch.float32
+                and 0 < down.shape[0] == up.shape[1]
+                and down.shape[1] == lin.in_features
+                and up.shape[0] == lin.out_features
+                and bool(torch.isfinite(down).all() and torch.isfinite(up).all())
+            )
+            if not ok:
+                raise LoRAError(f"adapter {name!r}: layer {mod} matrices do not fit or are not finite.")
+            dev = lin.weight.device
+            layers[mod] = LoRALayer(down.to(dev), up.to(dev), float(scale))
+        adapters[name] = Adapter(name, layers, [], str(data["source"])[:500])
+    state = _state(transformer)
+    state.adapters.update(adapters)
+    _apply(transformer, None, state, dict(active))
 
 
 def make_random_lora(

@@ -1,18 +1,21 @@
 """``CompiledTransformer``: the drop-in replacement for ``pipe.transformer``.
 
 It keeps what PRXPipeline and users read (``.config``, ``.dtype``, ``.device``, the forward kwargs
-including ``attention_mask`` and ``return_dict``), checks every call against the compiled shape
-range, and runs the step through its backend — optionally replayed from a CUDA graph.
+including ``attention_mask`` and ``return_dict``) and holds one or more engine sets over the same
+weights: one per ``specialize`` shape (static, the fastest) and one for the whole range. A call runs
+the most specific set that fits, building it on first use; a shape outside every set gets a set of
+its own (``on_shape_miss: build``, with a warning) or a ``ShapeOutOfRangeError`` (``error``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
 
+from . import progress
 from .backends import Backend, make_backend
 from .config import CompileConfig
 from .cudagraphs import CUDAGraphRunner
@@ -26,24 +29,37 @@ class CompiledTransformer(torch.nn.Module):
     """A compiled PRXTransformer2DModel with the same call signature.
 
     Attributes:
-        transformer: the original module (its parameters are the source of truth for LoRA/refit).
+        transformer: the original module; its parameters are the one copy of the weights.
         compile_config: the ``CompileConfig`` it was built with.
-        shapes: the ``ShapeRange`` one build covers.
-        backend: the ``Backend`` running the step.
+        backends: one ``Backend`` per engine set (``backend.shapes`` is its ``ShapeRange``).
+        builds: how many engine sets were built in this process (cache hits and loads not counted).
     """
 
-    def __init__(self, transformer: torch.nn.Module, config: CompileConfig, backend: Backend | None = None):
+    def __init__(
+        self, transformer: torch.nn.Module, config: CompileConfig, backends: list[Backend] | None = None
+    ):
         super().__init__()
         object.__setattr__(self, "transformer", transformer)  # not a submodule: no duplicate params
         self.compile_config = config
-        self.shapes: ShapeRange = config.shape_range(patch_size=transformer.config.patch_size)
         self._device = torch.device(config.device)
-        self.backend: Backend = backend or make_backend(transformer, config, self.shapes)
-        self._graphs: CUDAGraphRunner | None = None
+        patch = transformer.config.patch_size
+        if backends is None:
+            sets = config.shape_sets(patch)
+            odd = [s.describe() for s in sets if s.height[0] % patch or s.width[0] % patch]
+            if odd:
+                raise ConfigError(
+                    f"engine set {odd[0]}: latent sizes must be multiples of the patch size {patch}.",
+                    f"use pixel sizes that are multiples of {patch * config.vae_scale_factor}.",
+                )
+            backends = [make_backend(transformer, config, s) for s in sets]
+        self.backends: list[Backend] = backends
+        self._graphs: dict[int, CUDAGraphRunner] = {}
+        self._pool = None
+        self._weights_at_capture: tuple | None = None
+        self._slots = [(m, n) for m in transformer.modules() for n, _ in m.named_parameters(recurse=False)]
         self.builds = 0
+        self.cache_hits: list[dict[str, Any]] = []
         self.load_s: float | None = None
-        if self.is_built:
-            self._after_build()
 
     # -- what the pipeline reads ----------------------------------------------------------------
     @property
@@ -57,6 +73,15 @@ class CompiledTransformer(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def shapes(self) -> ShapeRange:
+        """The widest engine set's range."""
+        return max((b.shapes for b in self.backends), key=lambda s: s.volume())
+
+    @property
+    def is_built(self) -> bool:
+        return all(b.is_built for b in self.backends)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -81,40 +106,64 @@ class CompiledTransformer(torch.nn.Module):
 
     # -- build ----------------------------------------------------------------------------------
     def build(self, example: dict[str, torch.Tensor] | None = None) -> CompiledTransformer:
-        """Compile now, for ``example`` inputs (default: the tuning point of the shape range)."""
-        if example is None:
-            b, h, w, t = self.shapes.opt_point()
-            example = example_inputs(self.config, b, h, w, t, dtype=self.dtype, device=self._device)
-        example = self._normalise(**example)
-        if self.compile_config.engine_cache_dir:
-            from .serialization import build_through_cache
-
-            self.backend = build_through_cache(self, example)
-        else:
-            self.backend.build(example)
-        self.builds += 1
-        self._after_build()
+        """Build every engine set not built yet, each at its tuning point; or, with ``example``
+        (PRX forward kwargs), the set that call would run."""
+        with torch.no_grad():
+            if example is not None:
+                inputs = self._normalise(**example)
+                self._check(inputs)
+                self._backend_for(inputs)
+                return self
+            for i, backend in enumerate(self.backends):
+                if not backend.is_built:
+                    self._build_backend(i)
         return self
 
-    def _after_build(self) -> None:
-        if self.compile_config.cuda_graphs and self._device.type == "cuda":
-            self._graphs = CUDAGraphRunner(self.backend)
-        elif self.compile_config.cuda_graphs:
-            logger.info("cuda_graphs=True has no effect on %s", self._device)
+    def _example(self, shapes: ShapeRange) -> dict[str, torch.Tensor]:
+        b, h, w, t = shapes.opt_point()
+        return self._normalise(**example_inputs(self.config, b, h, w, t, dtype=self.dtype, device=self._device))
 
-    @property
-    def is_built(self) -> bool:
-        return self.backend.build_s is not None
+    def _build_backend(self, index: int) -> Backend:
+        backend = self.backends[index]
+        example = self._example(backend.shapes)
+        logger.info("building engine set %d/%d: %s", index + 1, len(self.backends), backend.shapes.describe())
+        t0 = time.perf_counter()
+        with progress.stage(f"engine set {index + 1}/{len(self.backends)}: {backend.shapes.describe()}"):
+            if self.compile_config.engine_cache_dir:
+                from .cache import build_through_cache
+
+                backend, hit = build_through_cache(backend, example)
+                self.cache_hits.append(hit)
+                self.backends[index] = backend
+                if hit["load_s"] is None:
+                    self.builds += 1
+            else:
+                backend.build(example)
+                self.builds += 1
+        logger.info("engine set ready in %.1f s: %s", time.perf_counter() - t0, backend.shapes.describe())
+        return backend
 
     # -- the step -------------------------------------------------------------------------------
     def _normalise(self, hidden_states, timestep, encoder_hidden_states, attention_mask=None):
-        b = hidden_states.shape[0]
+        for name, v in (("hidden_states", hidden_states), ("encoder_hidden_states", encoder_hidden_states)):
+            if not isinstance(v, torch.Tensor):
+                raise ShapeOutOfRangeError(f"{name} must be a tensor, got {type(v).__name__}.")
+        b = hidden_states.shape[0] if hidden_states.dim() else 0
         timestep = torch.as_tensor(timestep, device=hidden_states.device).float().reshape(-1)
         if timestep.numel() == 1 and b > 1:
             timestep = timestep.expand(b).contiguous()
         if attention_mask is None:  # all-True mask == no mask, exactly; keeps one build for both
+            if encoder_hidden_states.dim() < 2:
+                raise ShapeOutOfRangeError(
+                    f"encoder_hidden_states has shape {tuple(encoder_hidden_states.shape)}, "
+                    "expected (B, T, C)."
+                )
             attention_mask = torch.ones(
                 encoder_hidden_states.shape[:2], dtype=torch.bool, device=encoder_hidden_states.device
+            )
+        elif not isinstance(attention_mask, torch.Tensor):
+            raise ShapeOutOfRangeError(
+                f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}."
             )
         return {
             "hidden_states": hidden_states,
@@ -124,46 +173,91 @@ class CompiledTransformer(torch.nn.Module):
         }
 
     def _check(self, inputs: dict[str, torch.Tensor]) -> None:
-        problems = self.shapes.problems(inputs["hidden_states"], inputs["encoder_hidden_states"])
-        b, t = inputs["hidden_states"].shape[0], inputs["encoder_hidden_states"].shape[1]
-        if inputs["timestep"].shape != (b,):
-            problems.append(f"timestep has shape {tuple(inputs['timestep'].shape)}, expected ({b},) or (1,)")
-        if tuple(inputs["attention_mask"].shape) != (b, t):
+        """Rank, channels, batch agreement, dtype and device of every input (not the shape range)."""
+        cfg = self.config
+        hs, ehs = inputs["hidden_states"], inputs["encoder_hidden_states"]
+        problems = []
+        if hs.dim() != 4 or hs.shape[1] != cfg.in_channels:
             problems.append(
-                f"attention_mask has shape {tuple(inputs['attention_mask'].shape)}, expected {(b, t)}"
+                f"hidden_states has shape {tuple(hs.shape)}, expected (B, {cfg.in_channels}, H, W)"
             )
+        if ehs.dim() != 3 or ehs.shape[2] != cfg.context_in_dim:
+            problems.append(
+                f"encoder_hidden_states has shape {tuple(ehs.shape)}, expected (B, T, {cfg.context_in_dim})"
+            )
+        if not problems:
+            b, t = hs.shape[0], ehs.shape[1]
+            if ehs.shape[0] != b:
+                problems.append(f"encoder_hidden_states has batch {ehs.shape[0]}, hidden_states {b}")
+            if inputs["timestep"].shape != (b,):
+                problems.append(
+                    f"timestep has shape {tuple(inputs['timestep'].shape)}, expected ({b},) or (1,)"
+                )
+            if tuple(inputs["attention_mask"].shape) != (b, t):
+                problems.append(
+                    f"attention_mask has shape {tuple(inputs['attention_mask'].shape)}, expected {(b, t)}"
+                )
+        if problems:
+            raise ShapeOutOfRangeError("; ".join(problems) + ".", "pass the inputs PRXPipeline passes.")
         for k in ("hidden_states", "encoder_hidden_states"):
             if inputs[k].dtype != self.dtype:
-                problems.append(f"{k} is {inputs[k].dtype}, the compiled transformer is {self.dtype}")
-        if problems:
-            raise ShapeOutOfRangeError(
-                "input outside what this compiled transformer was built for: "
-                + "; ".join(problems)
-                + f". Built for {self.shapes.describe()}.",
-                "widen batch/aspect_bins/text_len in the config, or set on_shape_miss='rebuild'.",
-            )
+                raise ConfigError(
+                    f"{k} is {inputs[k].dtype}, the compiled transformer is {self.dtype}.",
+                    f"pass {self.dtype} inputs (pipe(..., torch_dtype) or .to(dtype)).",
+                )
+        for k, v in inputs.items():
+            if v.device.type != self._device.type or (
+                self._device.index is not None and v.device.index != self._device.index
+            ):
+                raise ConfigError(f"{k} is on {v.device}, the compiled transformer runs on {self._device}.")
 
-    def _rebuild_for(self, inputs: dict[str, torch.Tensor]) -> None:
+    def _backend_for(self, inputs: dict[str, torch.Tensor]) -> Backend:
+        """The most specific engine set that fits (built on first use), or a new one on a miss."""
         b, _, h, w = inputs["hidden_states"].shape
         t = inputs["encoder_hidden_states"].shape[1]
-        s = self.shapes
+        fits = [i for i, be in enumerate(self.backends) if be.shapes.fits(b, h, w, t)]
+        if not fits:
+            sets = "; ".join(be.shapes.describe() for be in self.backends)
+            shape = f"batch {b}, latent {h}x{w}, text {t} tokens"
+            problems = self.shapes.problems(b, h, w, t)
+            if self.compile_config.on_shape_miss == "error" or any("multiple" in p for p in problems):
+                raise ShapeOutOfRangeError(
+                    f"{shape} is outside every engine set ({'; '.join(problems)}). Built for: {sets}.",
+                    "widen batch/aspect_bins/text_len or add the shape to specialize in the config, "
+                    "or set on_shape_miss='build'.",
+                )
+            self.backends.append(
+                make_backend(self.transformer, self.compile_config, ShapeRange.static(b, h, w, t))
+            )
+            fits = [len(self.backends) - 1]
+            t0 = time.perf_counter()
+            self._build_backend(fits[0])
+            logger.warning(
+                "built engines for %s in %.1f s: it was outside every engine set (%s). Add it to "
+                "specialize (or widen the range) to build it ahead.",
+                shape,
+                time.perf_counter() - t0,
+                sets,
+            )
+        i = min(fits, key=lambda j: self.backends[j].shapes.volume())
+        if not self.backends[i].is_built:
+            self._build_backend(i)
+        return self.backends[i]
 
-        def widen(r: tuple[int, int], v: int) -> tuple[int, int]:
-            return min(r[0], v), max(r[1], v)
-
-        self.shapes = dataclasses.replace(
-            s,
-            batch=widen(s.batch, b),
-            height=widen(s.height, h),
-            width=widen(s.width, w),
-            text=widen(s.text, t),
-        )
-        logger.warning(
-            "rebuilding the compiled transformer for %s (on_shape_miss='rebuild')", self.shapes.describe()
-        )
-        self.backend = make_backend(self.transformer, self.compile_config, self.shapes)
-        self._graphs = None
-        self.build()
+    def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
+            return backend(**inputs)
+        weights = tuple(getattr(m, n).data_ptr() for m, n in self._slots)
+        if weights != self._weights_at_capture:  # parameters were replaced, not updated in place
+            for runner in self._graphs.values():
+                runner.reset()
+            self._weights_at_capture = weights
+        runner = self._graphs.get(id(backend))
+        if runner is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            runner = self._graphs[id(backend)] = CUDAGraphRunner(backend, pool=self._pool)
+        return runner(**inputs)
 
     def forward(
         self,
@@ -181,17 +275,10 @@ class CompiledTransformer(torch.nn.Module):
                 f"attention_kwargs {sorted(attention_kwargs)} are not supported by a compiled transformer.",
                 "pass attention_kwargs=None.",
             )
-        inputs = self._normalise(hidden_states, timestep, encoder_hidden_states, attention_mask)
-        try:
-            self._check(inputs)
-        except ShapeOutOfRangeError:
-            if self.compile_config.on_shape_miss != "rebuild":
-                raise
-            self._rebuild_for(inputs)
-        if not self.is_built:
-            self.build()  # at the tuning point: sizes 1 would be specialised by torch.export
         with torch.no_grad():
-            out = self._graphs(**inputs) if self._graphs is not None else self.backend(**inputs)
+            inputs = self._normalise(hidden_states, timestep, encoder_hidden_states, attention_mask)
+            self._check(inputs)
+            out = self._run(self._backend_for(inputs), inputs)
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -199,30 +286,54 @@ class CompiledTransformer(torch.nn.Module):
         return Transformer2DModelOutput(sample=out)
 
     # -- weights --------------------------------------------------------------------------------
+    @property
+    def needs_refit(self) -> bool:
+        """True when weight changes must be pushed into engines (``weights: engine``)."""
+        return any(b.needs_refit and b.is_built for b in self.backends)
+
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
-        """Bring the compiled form up to date after these parameters changed in place (refit)."""
-        if not self.is_built:
-            return {"refit_s": 0.0, "rebuilt": False}
-        report = self.backend.weights_changed(names)
-        if self._graphs is not None:
-            self._graphs.reset()
-        return report
+        """Bring every built engine set up to date after these parameters changed in place."""
+        total: dict[str, Any] = {"refit_s": 0.0, "engines_refit": 0}
+        for backend in self.backends:
+            if not backend.is_built:
+                continue
+            report = backend.weights_changed(names)
+            total["refit_s"] += report.get("refit_s", 0.0)
+            total["engines_refit"] += report.get("engines_refit", 0)
+            if not report.get("graphs_valid", True) and id(backend) in self._graphs:
+                self._graphs[id(backend)].reset()
+        return total
 
     def report(self) -> dict[str, Any]:
-        """Engines, PyTorch segments and ops kept in PyTorch, build time, versions."""
+        """Engine sets (shapes, engines, PyTorch segments, ops kept in PyTorch, build time), versions."""
+        built = [b for b in self.backends if b.is_built]
+        sets = [
+            {"shapes": b.shapes.describe(), "build_s": b.build_s, **b.report()}
+            if b.is_built
+            else {"shapes": b.shapes.describe(), "build_s": None}
+            for b in self.backends
+        ]
+        first = built[0].report() if built else {"engines": 0, "torch_segments": 0, "torch_ops": {}}
+        cfg = self.compile_config
         return {
-            **self.backend.report(),
-            "build_s": self.backend.build_s,
-            "backend": self.compile_config.backend,
-            "attention": self.compile_config.attention,
-            "cuda_graphs": self._graphs is not None,
+            **first,
+            "build_s": sum(b.build_s or 0.0 for b in built),
+            "backend": cfg.backend,
+            "attention": cfg.attention,
+            "weights": cfg.weights,
+            "cuda_graphs": cfg.cuda_graphs and self._device.type == "cuda",
             "shapes": self.shapes.describe(),
-            **self.backend.versions(),
+            "engine_sets": sets,
+            "builds": self.builds,
+            **(built[0].versions() if built else {}),
         }
 
     def extra_repr(self) -> str:
         cfg = self.compile_config
-        return f"backend={cfg.backend}, attention={cfg.attention}, {self.shapes.describe()}"
+        return (
+            f"backend={cfg.backend}, attention={cfg.attention}, weights={cfg.weights}, "
+            f"{len(self.backends)} engine set(s), widest: {self.shapes.describe()}"
+        )
 
 
 def compile_prx(
@@ -236,16 +347,21 @@ def compile_prx(
     """Compile a PRXTransformer2DModel; the result replaces ``pipe.transformer`` as is.
 
     Args:
-        transformer: diffusers' PRXTransformer2DModel (in eval mode, in its final dtype and device).
+        transformer: diffusers' PRXTransformer2DModel (in its final dtype and device).
         config: a ``CompileConfig``, a dict, a YAML path or a preset name from ``configs/``.
-        backend: "tensorrt" (default), "inductor" or "eager" — shorthand for ``backend=`` override.
-        build: compile now at the tuning point instead of at the first call.
+        backend: "tensorrt" (default), "inductor" or "eager": shorthand for the ``backend=`` override.
+        build: build every engine set now instead of at first use.
         **overrides: any ``CompileConfig`` key, e.g. ``attention="tensorrt"``, ``batch=[1, 4]``.
 
     Raises:
-        ConfigError: unknown key or bad value; dtype or device mismatch.
+        ConfigError: unknown key or bad value; dtype mismatch.
         BackendUnavailableError: backend="tensorrt" without Torch-TensorRT or a GPU.
     """
+    if not isinstance(transformer, torch.nn.Module) or not hasattr(transformer, "config"):
+        raise ConfigError(
+            f"compile_prx takes a PRXTransformer2DModel, got {type(transformer).__name__}.",
+            "pass pipe.transformer.",
+        )
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)
@@ -264,7 +380,7 @@ def compile_prx(
             logger.info("moving the transformer to %s for TensorRT", cfg.device)
             transformer.to(cfg.device)
     elif device.type != torch.device(cfg.device).type:  # PyTorch backends run where the model is
-        cfg = CompileConfig.resolve(cfg, device=str(device))
+        cfg = cfg.replace(device=str(device))
     if transformer.training:
         transformer.eval()
     compiled = CompiledTransformer(transformer, cfg)

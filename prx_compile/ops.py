@@ -19,11 +19,6 @@ import torch.nn.functional as F
 _LIB = "prx_compile"
 aten = torch.ops.aten
 
-JOINT_IMPLS = ("auto", "cudnn+cudnn", "cudnn+efficient", "cudnn+varlen", "fa2+efficient", "fa2+varlen")
-#: Measured on the H200 (benchmarks/results/attention_kernels.json): cuDNN's dense kernel runs 4096x4096
-#: tokens 1.6x faster than FA2, and cuDNN with a bias is the fastest for the small masked text part.
-DEFAULT_JOINT_IMPL = "cudnn+cudnn"
-
 
 def _reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float
@@ -92,32 +87,25 @@ def _varlen_keys_first(q, k, v, mask, scale):
     return out.view(b, lq, h, d), _lse_bhq(lse, b, h, lq)
 
 
-def _dense_part(q, k, v, scale, kernel):
-    """Unmasked attention: (out (B, Lq, H, D), lse (B, H, Lq))."""
+def _dense_part(q, k, v, scale):
+    """Unmasked attention in cuDNN: (out (B, Lq, H, D), lse (B, H, Lq)).
+
+    cuDNN ran 4096x4096 tokens 1.6x faster than FA2 on the H200 (attention_kernels_h200.json)."""
     t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(*t, None, True, 0.0, False, False, scale=scale)[
-            :2
-        ]
-    else:
-        out, lse = aten._scaled_dot_product_flash_attention(*t, scale=scale)[:2]
+    out, lse = aten._scaled_dot_product_cudnn_attention(*t, None, True, 0.0, False, False, scale=scale)[:2]
     return out.transpose(1, 2), _lse_bhq(lse, q.shape[0], q.shape[2], q.shape[1])
 
 
-def _masked_part(q, k, v, mask, scale, kernel):
-    """Attention over the keys ``mask`` (B, Lk) keeps: (out (B, Lq, H, D), lse (B, H, Lq))."""
-    if kernel == "varlen":
-        return _varlen_keys_first(q, k, v, mask, scale)
+def _masked_part(q, k, v, mask, scale):
+    """Attention over the keys ``mask`` (B, Lk) keeps, in cuDNN with a -inf bias (the fastest of
+    the kernels measured for PRX's small text part): (out (B, Lq, H, D), lse (B, H, Lq))."""
     b, lq, h, _ = q.shape
     lk = k.shape[1]
     bias = torch.zeros(b, 1, 1, lk, device=q.device, dtype=q.dtype).masked_fill(
         ~mask[:, None, None, :], float("-inf")
     )
     t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias.expand(b, h, lq, lk))
-    if kernel == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(*t, True, 0.0, False, False, scale=scale)[:2]
-    else:
-        out, lse = aten._scaled_dot_product_efficient_attention(*t, True, scale=scale)[:2]
+    out, lse = aten._scaled_dot_product_cudnn_attention(*t, True, 0.0, False, False, scale=scale)[:2]
     return out.transpose(1, 2), _lse_bhq(lse, b, h, lq)
 
 
@@ -161,27 +149,25 @@ def joint_attention(
     k_b: torch.Tensor,
     v_b: torch.Tensor,
     scale: float,
-    impl: str = "auto",
 ) -> torch.Tensor:
     """Attention over two key sets, the first under a key mask, the second always attended.
 
     PRX's joint attention: image queries over [text keys (padded, masked); image keys]. On CUDA the
-    unmasked part runs a dense kernel, the small masked part its own kernel, and the two are merged
+    unmasked part runs a dense cuDNN kernel, the small masked part its own, and the two are merged
     exactly by their log-sum-exp (attention is a softmax-weighted sum: splitting the keys and
     re-weighting changes only rounding). Elsewhere: SDPA over the concatenated keys.
 
     Args:
         q: (B, Lq, H, D). k_a, v_a: (B, La, H, D); mask_a: (B, La) bool, True = attend.
         k_b, v_b: (B, Lb, H, D). scale: softmax scale.
-        impl: "auto" (``DEFAULT_JOINT_IMPL``) or "<dense kernel>+<masked kernel>" from ``JOINT_IMPLS``.
 
     Returns:
         (B, Lq, H, D) contiguous.
     """
-    return _joint(q, k_a, v_a, mask_a, k_b, v_b, scale, impl)
+    return _joint(q, k_a, v_a, mask_a, k_b, v_b, scale)
 
 
-def _joint(q, k_a, v_a, mask_a, k_b, v_b, scale, impl):
+def _joint(q, k_a, v_a, mask_a, k_b, v_b, scale):
     if not _flash_supported(q):
         keep_b = torch.ones(k_b.shape[:2], dtype=torch.bool, device=q.device)
         return _reference(
@@ -189,15 +175,14 @@ def _joint(q, k_a, v_a, mask_a, k_b, v_b, scale, impl):
         ).contiguous()
     from . import _kernels
 
-    dense, masked = (DEFAULT_JOINT_IMPL if impl == "auto" else impl).split("+")
     q = q.contiguous()
-    o_b, lse_b = _dense_part(q, k_b, v_b, scale, dense)
-    o_a, lse_a = _masked_part(q, k_a.contiguous(), v_a.contiguous(), mask_a, scale, masked)
+    o_b, lse_b = _dense_part(q, k_b, v_b, scale)
+    o_a, lse_a = _masked_part(q, k_a.contiguous(), v_a.contiguous(), mask_a, scale)
     return _kernels.merge(o_b, lse_b, o_a, lse_a)
 
 
 @joint_attention.register_fake
-def _(q, k_a, v_a, mask_a, k_b, v_b, scale, impl="auto"):
+def _(q, k_a, v_a, mask_a, k_b, v_b, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -243,7 +228,6 @@ def prx_attention(
     heads: int,
     eps: float,
     scale: float,
-    impl: str = "auto",
 ) -> torch.Tensor:
     """PRX's attention between its projections: what ``PRXAttnProcessor2_0`` computes after
     ``img_qkv_proj`` / ``txt_kv_proj`` and before ``to_out``, as one op.
@@ -259,7 +243,7 @@ def prx_attention(
         text_mask: (B, T) bool, True = attend; None = every text token.
         rope: None or (B, 1, L, D/2, 2, 2) fp32, PRX's ``image_rotary_emb``.
         q_weight, k_weight, text_k_weight: (D,) weights of ``norm_q``, ``norm_k``, ``norm_added_k``.
-        heads: H. eps: the RMSNorm epsilon. scale: softmax scale. impl: as ``joint_attention``.
+        heads: H. eps: the RMSNorm epsilon. scale: softmax scale.
 
     Returns:
         (B, L, H*D), the input of ``to_out``.
@@ -276,12 +260,12 @@ def prx_attention(
     tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
     if text_mask is None:
         text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
-    out = _joint(q, tk, tv, text_mask.bool(), k, v, scale, impl)
+    out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
     return out.reshape(b, seq, heads * d)
 
 
 @prx_attention.register_fake
-def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, impl="auto"):
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
     b, seq, _ = img_qkv.shape
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
 

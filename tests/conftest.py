@@ -24,7 +24,7 @@ def prx_inputs(model, batch=2, h=16, w=16, text=12, masked=5, seed=0):
 def exported(request):
     """(model, ExportedProgram) for both patchify forms, exported with dynamic shapes."""
     model = make_prx(patchify=request.param)
-    ep = export_prx(model, prx_inputs(model), RANGE)
+    ep, _ = export_prx(model, prx_inputs(model), RANGE)
     return model, ep
 
 

@@ -1,9 +1,10 @@
-"""CompileConfig: presets, YAML, overrides, and errors that name the key and the allowed values."""
+"""CompileConfig: presets, YAML, overrides, engine sets, and errors that name the key and the allowed values."""
 
 import pytest
+import torch
 
 from prx_compile import CompileConfig, ConfigError
-from prx_compile.config import list_presets
+from prx_compile.config import ENGINE_KEYS, list_presets
 
 
 def test_presets_exist_and_load():
@@ -18,43 +19,76 @@ def test_presets_exist_and_load():
         assert required in names
     for n in names:
         cfg = CompileConfig.resolve(n)
-        assert cfg.dtype == "bf16"
-        cfg.shape_range()
+        assert cfg.dtype == "bf16" and cfg.weights == "inputs" and cfg.attention == "fused"
+        assert cfg.shape_sets()
+
+
+def test_default_is_the_1024_preset_without_a_dtype():
+    preset = CompileConfig.resolve("prx-1024-bf16")
+    assert CompileConfig().replace(dtype="bf16").shape_sets() == preset.shape_sets()
 
 
 @pytest.mark.parametrize(
     "preset,families", [("prx-1024-bf16", (1024,)), ("prx-512-bf16", (512,)), ("prx-bins-bf16", (512, 1024))]
 )
-def test_presets_cover_every_aspect_bin(preset, families):
+def test_range_covers_every_aspect_bin(preset, families):
     from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
 
-    r = CompileConfig.resolve(preset).shape_range()
+    r = CompileConfig.resolve(preset).range_shapes()
     for family in families:
         for h, w in ASPECT_RATIO_BINS[family].values():
-            assert r.height[0] <= h // 8 <= r.height[1] and r.width[0] <= w // 8 <= r.width[1]
-            assert not r.problems(
-                __import__("torch").zeros(2, 16, h // 8, w // 8), __import__("torch").zeros(2, 77, 1)
-            )
+            assert r.fits(2, h // 8, w // 8, 77) and r.fits(1, h // 8, w // 8, 256)
     assert r.batch == (1, 2)
+
+
+def test_engine_sets_specialised_first_then_the_range():
+    sets = CompileConfig().shape_sets()
+    assert [s.is_static() for s in sets] == [True, True, False]
+    assert sets[0].opt_point() == (2, 128, 128, 256) and sets[1].opt_point() == (1, 128, 128, 256)
+    static = CompileConfig.resolve("prx-1024-bf16-static").shape_sets()
+    assert len(static) == 1 and static[0].opt_point() == (2, 128, 128, 256)
+    bins = CompileConfig.resolve("prx-bins-bf16").shape_sets()
+    assert [s.opt_point()[:3] for s in bins[:2]] == [(2, 128, 128), (2, 64, 64)]
+    custom = CompileConfig(specialize=[[832, 1216, 2], [832, 1216, 2]], static=True).shape_sets()
+    assert len(custom) == 1 and custom[0].height == (104, 104) and custom[0].width == (152, 152)
 
 
 @pytest.mark.parametrize(
     "bad,match",
     [
         ({"backend": "onnx"}, r"backend='onnx' is not allowed.*tensorrt"),
-        ({"attention": "fast"}, r"attention='fast'.*flash"),
+        ({"attention": "fast"}, r"attention='fast'.*fused.*flash.*tensorrt"),
+        ({"weights": "baked"}, r"weights='baked'.*inputs.*engine"),
         ({"batch": [2, 1]}, r"batch=\[2, 1\] must be \[min, max\]"),
+        ({"batch": [True, 2]}, r"batch=\[True, 2\] must be \[min, max\] integers"),
+        ({"text_len": [1, "256"]}, r"text_len="),
         ({"aspect_bins": [768]}, r"aspect_bins=\[768\].*\[256, 512, 1024\]"),
         ({"dtype": "int8"}, r"dtype='int8'.*bf16"),
         ({"optimization_level": 9}, r"optimization_level=9"),
+        ({"optimization_level": True}, r"optimization_level=True"),
         ({"resolution": 1004}, r"resolution=1004 is not a multiple of vae_scale_factor=8"),
+        ({"resolution": True}, r"resolution=True must be a positive integer"),
         ({"cuda_graphs": "yes"}, r"cuda_graphs='yes' must be true or false"),
-        ({"fused_attention": 1}, r"fused_attention=1 must be true or false"),
+        ({"device": "banana"}, r"device='banana' is not a device.*'cuda'"),
+        ({"device": "mps"}, r"device='mps' is not a device"),
+        ({"device": 3}, r"device=3 is not a device"),
+        ({"specialize": [[1024, 1024]]}, r"specialize entry \[1024, 1024\] must be \[height, width, batch\]"),
+        ({"specialize": [[1004, 1024, 2]]}, r"multiples of vae_scale_factor=8"),
+        ({"specialize": "1024"}, r"specialize='1024' must be a list"),
+        ({"static": True, "specialize": []}, r"leaves no engines"),
+        ({"on_shape_miss": "rebuild"}, r"on_shape_miss='rebuild'.*build.*error"),
+        ({"engine_cache_dir": 5}, r"engine_cache_dir=5 must be a directory path"),
+        ({"opt_batch": 3}, r"opt_batch=3 must be an integer in \[1, 2\]"),
     ],
 )
 def test_bad_values_name_key_and_allowed(bad, match):
     with pytest.raises(ConfigError, match=match):
         CompileConfig.resolve(None, **bad)
+
+
+def test_device_strings_are_parsed():
+    assert CompileConfig(device="cuda:1").device == "cuda:1"
+    assert CompileConfig(device=torch.device("cpu")).device == "cpu"
 
 
 def test_unknown_keys_are_named(tmp_path):
@@ -64,19 +98,34 @@ def test_unknown_keys_are_named(tmp_path):
         CompileConfig.resolve(p)
 
 
-def test_unknown_preset_lists_the_available_ones():
-    with pytest.raises(ConfigError, match="prx-1024-bf16"):
-        CompileConfig.resolve("prx-2048")
+@pytest.mark.parametrize("text", ["[1, 2", "- a\n- b\n", "a: [" * 2000, "\x00\x01"])
+def test_broken_yaml_is_a_config_error(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError):
+        CompileConfig.resolve(p)
 
 
-def test_yaml_roundtrip_and_overrides(tmp_path):
+@pytest.mark.parametrize("name", ["prx-2048", "../configs/prx-1024-bf16", "a/b", "..", "", "~"])
+def test_preset_names_are_names(name):
+    with pytest.raises(ConfigError, match="prx-1024-bf16"):  # the message lists the presets
+        CompileConfig.resolve(name)
+
+
+def test_a_file_that_is_not_a_config_is_a_config_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        CompileConfig.resolve(tmp_path / "notes.txt")
+
+
+def test_yaml_roundtrip_and_engine_keys(tmp_path):
     import yaml
 
     cfg = CompileConfig.resolve("prx-512-bf16", backend="eager")
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(cfg.to_dict()))
     assert CompileConfig.resolve(p) == cfg
-    assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, cuda_graphs=False)) == []
-    assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, attention="tensorrt")) == ["attention"]
-    assert cfg.rebuild_keys_changed(CompileConfig.resolve(p, fused_attention=False)) == ["fused_attention"]
-    assert cfg.fuses_attention() and not CompileConfig.resolve(p, attention="tensorrt").fuses_attention()
+    assert set(ENGINE_KEYS) <= set(cfg.to_dict())
+    assert cfg.engine_settings() == CompileConfig.resolve(p, cuda_graphs=False).engine_settings()
+    assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
+    assert cfg.lowering().attention == "flash" and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"

@@ -1,4 +1,4 @@
-"""The fused PRX attention (``fused_attention``): processor swap, export, and numbers against eager."""
+"""The fused PRX attention (``attention: fused``): processor swap, export, and numbers against eager."""
 
 import pytest
 import torch
@@ -56,8 +56,7 @@ def test_norm_rope_reference_is_diffusers_arithmetic(dtype):
 def test_export_has_one_prx_attention_per_block_and_no_sdpa():
     model = make_prx()
     kw = example_inputs(model.config, 2, 16, 16, 12, masked_tokens=5)
-    with fused_attention_processors(model):
-        gm = export_prx(model, kw).module()
+    gm = export_prx(model, kw, fuse_attention=True)[0].module()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(PRX_ATTENTION) == model.config.depth
     assert not any("scaled_dot_product" in str(t) for t in targets)
@@ -80,7 +79,7 @@ def test_compiled_fused_matches_eager_fp32(masked):
 def test_fused_switch_off_uses_the_lowering_rule():
     model = make_prx()
     kw = example_inputs(model.config, 1, 16, 16, 7)
-    ct = compile_prx(model, backend="eager", fused_attention=False, **RANGE)
+    ct = compile_prx(model, backend="eager", attention="flash", **RANGE)
     out = ct(**kw, return_dict=False)[0]
     assert set(ct.report()["torch_ops"]) == {"prx_compile.joint_attention.default"}
     with torch.no_grad():

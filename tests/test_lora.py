@@ -118,6 +118,36 @@ def corrupt(kind, model, tmp_path):
         return p, "is not a safetensors LoRA file"
     if kind == "missing_file":
         return tmp_path / "nope.safetensors", "does not exist"
+    if kind == "nan_values":
+        sd[key_a][0, 0] = float("nan")
+        return sd, r"blocks\.0\.up_proj matrix A/down holds NaN or infinite values"
+    if kind == "inf_values":
+        sd[key_a.replace("lora_A", "lora_B")][1, 1] = float("inf")
+        return sd, r"blocks\.0\.up_proj matrix B/up holds NaN or infinite values"
+    if kind == "nan_alpha":
+        sd["transformer.blocks.0.up_proj.alpha"] = torch.tensor(float("nan"))
+        return sd, r"alpha is nan, not a finite number"
+    if kind == "rank_zero":
+        sd[key_a], sd[key_a.replace("lora_A", "lora_B")] = torch.zeros(0, 64), torch.zeros(128, 0)
+        return sd, "has rank 0"
+    if kind == "duplicate_matrix":
+        sd["blocks.0.up_proj.lora_A.weight"] = sd[key_a] + 1  # the same layer without the prefix
+        return sd, r"blocks\.0\.up_proj has two different lora_A/lora_down matrices"
+    if kind == "integer_matrix":
+        sd[key_a] = sd[key_a].to(torch.int32)
+        return sd, "not a floating-point matrix"
+    if kind == "bad_adapter_config":
+        d = tmp_path / "peft"
+        d.mkdir()
+        save_file(sd, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text('{"r": 0, "lora_alpha": 8}')
+        return d, "r=0 must be a positive number"
+    if kind == "broken_adapter_config":
+        d = tmp_path / "peft2"
+        d.mkdir()
+        save_file(sd, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text('{"r": 4, "lora_alpha"')
+        return d, "adapter_config.json is not valid JSON"
     raise AssertionError(kind)
 
 
@@ -131,6 +161,14 @@ def corrupt(kind, model, tmp_path):
         "not_a_lora",
         "not_safetensors",
         "missing_file",
+        "nan_values",
+        "inf_values",
+        "nan_alpha",
+        "rank_zero",
+        "duplicate_matrix",
+        "integer_matrix",
+        "bad_adapter_config",
+        "broken_adapter_config",
     ],
 )
 def test_bad_input_is_a_clear_error_and_changes_nothing(kind, tmp_path):
@@ -155,6 +193,32 @@ def test_other_errors_change_nothing():
     with pytest.raises(LoRAError, match="2 names and 1 scales"):
         set_lora(model, ["a", "a"], [1.0])
     assert same(weights(model), before)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=float("nan")), "scale nan is not a finite"),
+        (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=True), "scale True is not a finite"),
+        (lambda m: load_lora(m, make_random_lora(m, 4), "../b"), "adapter name"),
+        (lambda m: set_lora(m, ["a"], [float("inf")]), "scale inf is not a finite"),
+        (lambda m: set_lora(m, "a", "1"), "scale 1 is not a finite"),
+    ],
+)
+def test_bad_scales_and_names_change_nothing(call, match):
+    model = make_prx()
+    load_lora(model, make_random_lora(model, 4), "a")
+    before = weights(model)
+    with pytest.raises(LoRAError, match=match):
+        call(model)
+    assert same(weights(model), before) and list(summary(model)["adapters"]) == ["a"]
+
+
+def test_identical_duplicate_keys_are_accepted():
+    model = make_prx()
+    sd = make_random_lora(model, 4)
+    sd["blocks.0.up_proj.lora_A.weight"] = sd["transformer.blocks.0.up_proj.lora_A.weight"].clone()
+    assert load_lora(model, sd, "a")["layers"] == 12
 
 
 def test_non_strict_reports_unmatched_keys():

@@ -69,22 +69,117 @@ def test_kwargs_return_dict_and_no_mask():
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
 
 
-def test_out_of_range_names_the_range():
+def test_the_most_specific_engine_set_runs_and_is_built_at_first_use():
     model = make_prx()
-    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
-    with pytest.raises(ShapeOutOfRangeError, match=r"batch 3 not in \[1, 2\].*Built for batch 1..2"):
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)  # 16² at batch 2 and 1 (16 tokens), the range
+    assert [b.shapes.is_static() for b in ct.backends] == [True, True, False]
+    assert not any(b.is_built for b in ct.backends)
+    kw = prx_inputs(model, h=16, w=16, text=16)
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    assert [b.is_built for b in ct.backends] == [True, False, False]
+    kw = prx_inputs(model, h=16, w=16, text=9)  # text length 9: only the range fits
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    assert [b.is_built for b in ct.backends] == [True, False, True] and ct.builds == 2
+    ct.build()  # the rest, ahead
+    assert ct.is_built and ct.builds == 3
+
+
+def test_on_shape_miss_error_names_the_sets():
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", on_shape_miss="error", **SMALL_RANGE)
+    with pytest.raises(
+        ShapeOutOfRangeError, match=r"batch 3 not in \[1, 2\].*Built for: batch 2, latent 16x16"
+    ):
         ct(**prx_inputs(model, batch=3, h=16, w=16), return_dict=False)
     with pytest.raises(ShapeOutOfRangeError, match="latent height 18 not in"):
         ct(**prx_inputs(model, h=18, w=16), return_dict=False)
+    with pytest.raises(ShapeOutOfRangeError, match="not a multiple of the patch size"):
+        compile_prx(model, backend="eager", **SMALL_RANGE)(**prx_inputs(model, h=17, w=16), return_dict=False)
 
 
-def test_on_shape_miss_rebuild():
+def test_on_shape_miss_build_adds_an_engine_set(caplog):
     model = make_prx()
-    ct = compile_prx(model, backend="eager", on_shape_miss="rebuild", **SMALL_RANGE)
-    ct(**prx_inputs(model, h=16, w=16), return_dict=False)
-    kw = prx_inputs(model, batch=3, h=16, w=16)
-    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
-    assert ct.builds == 2 and ct.shapes.batch == (1, 3)
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    kw = prx_inputs(model, batch=3, h=20, w=12)
+    with caplog.at_level("WARNING", logger="prx_compile.module"):
+        out = ct(**kw, return_dict=False)[0]
+    torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
+    assert ct.builds == 1 and ct.backends[-1].shapes.describe() == "batch 3, latent 20x12, text 12 tokens"
+    assert any(
+        "built engines for batch 3, latent 20x12, text 12 tokens in" in r.message for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (
+            lambda kw: kw.update(hidden_states=kw["hidden_states"][:, :3]),
+            ShapeOutOfRangeError,
+            r"expected \(B, 4, H, W\)",
+        ),
+        (
+            lambda kw: kw.update(hidden_states=kw["hidden_states"][0]),
+            ShapeOutOfRangeError,
+            "hidden_states has shape",
+        ),
+        (
+            lambda kw: kw.update(encoder_hidden_states=kw["encoder_hidden_states"][..., :5]),
+            ShapeOutOfRangeError,
+            r"expected \(B, T, 32\)",
+        ),
+        (
+            lambda kw: kw.update(attention_mask=kw["attention_mask"][:, :3]),
+            ShapeOutOfRangeError,
+            "attention_mask has shape",
+        ),
+        (lambda kw: kw.update(timestep=kw["timestep"][:0]), ShapeOutOfRangeError, "timestep has shape"),
+        (
+            lambda kw: kw.update(hidden_states=kw["hidden_states"].double()),
+            ConfigError,
+            "hidden_states is torch.float64",
+        ),
+        (lambda kw: kw.update(encoder_hidden_states="text"), ShapeOutOfRangeError, "must be a tensor"),
+    ],
+)
+def test_bad_inputs_are_named(change, error, match):
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    kw = prx_inputs(model, h=16, w=16)
+    change(kw)
+    with pytest.raises(error, match=match):
+        ct(**kw, return_dict=False)
+    assert ct.builds == 0
+
+
+@pytest.mark.parametrize("weights", ["inputs", "engine"])
+def test_weights_modes_read_the_live_parameters(weights):
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", weights=weights, **SMALL_RANGE)
+    kw = prx_inputs(model, h=16, w=16)
+    before = ct(**kw, return_dict=False)[0]
+    with torch.no_grad():
+        model.blocks[0].attention.to_out[0].weight.mul_(1.5)
+    after = ct(**kw, return_dict=False)[0]
+    assert (after - before).abs().max() > 1e-4
+    torch.testing.assert_close(after, eager(model, kw), rtol=0, atol=1e-5)
+
+
+def test_inductor_runs_with_and_without_no_grad():
+    model = make_prx()
+    ct = compile_prx(
+        model,
+        backend="inductor",
+        static=True,
+        specialize=[[16, 16, 2]],
+        **{k: v for k, v in SMALL_RANGE.items()},
+    )
+    kw = prx_inputs(model, h=16, w=16, text=16)
+    out = ct(**kw, return_dict=False)[0]  # the first call builds, with autograd on
+    with torch.no_grad():
+        again = ct(**kw, return_dict=False)[0]
+    torch.testing.assert_close(out, again, rtol=0, atol=0)
+    torch.testing.assert_close(out, eager(model, kw), rtol=1e-4, atol=1e-4)
 
 
 def test_config_errors():

@@ -1,14 +1,20 @@
-"""Backends run the lowered PRX graph: Torch-TensorRT (MTTM) or PyTorch (eager / inductor).
+"""Backends compile and run one engine set: the lowered PRX step over one ``ShapeRange``.
 
-Every backend takes the transformer, the config and the shape range; ``build`` compiles for example
-inputs; calling it runs one step and returns the (B, C, H, W) prediction; ``report`` says what was
-built (engines, PyTorch segments, ops kept in PyTorch); ``weights_changed`` brings the compiled form
-up to date after parameters were modified in place (LoRA).
+The pipeline every backend follows::
+
+    export_prx (torch.export, once) -> lower (prx_compile.lowering.RULES) -> backend.compile
+
+A backend takes the transformer, the config and its shape range; ``build(example)`` runs that
+pipeline; calling it runs one step and returns the (B, C, H, W) prediction; ``report`` says what was
+built; ``weights_changed`` brings the compiled form up to date after parameters changed in place
+(LoRA); ``state()`` describes a built backend as JSON, bytes and tensors, and ``backend_from_state``
+recreates it with the same abilities: a loaded backend is the same type as a built one.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,14 +23,28 @@ from ..config import CompileConfig
 from ..export import ShapeRange
 
 
+@dataclass
+class BackendState:
+    """What a built backend needs to come back: ``meta`` (JSON-able), ``blobs`` (named bytes, e.g.
+    engines) and ``tensors`` (named tensors, e.g. constants). Names are ``[A-Za-z0-9_.-]``."""
+
+    meta: dict[str, Any]
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class Backend(abc.ABC):
-    name: str = ""
+    kind: str = ""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange):
         self.model = model
         self.config = config
         self.shapes = shapes
         self.build_s: float | None = None
+
+    @property
+    def is_built(self) -> bool:
+        return self.build_s is not None
 
     @abc.abstractmethod
     def build(self, example: dict[str, torch.Tensor]) -> None:
@@ -39,19 +59,43 @@ class Backend(abc.ABC):
         return {"engines": 0, "torch_segments": 0, "torch_ops": {}}
 
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
-        """Propagate in-place changes of these parameters (FQNs of ``self.model``); returns timings."""
-        return {"refit_s": 0.0, "rebuilt": False}
+        """Propagate in-place changes of these parameters (FQNs of ``self.model``); returns timings.
+
+        "graphs_valid": whether CUDA graphs captured before stay valid (no new engine memory)."""
+        return {"refit_s": 0.0, "graphs_valid": True}
+
+    @property
+    def needs_refit(self) -> bool:
+        """True when weight changes must be pushed into compiled copies (and can fail)."""
+        return False
+
+    @abc.abstractmethod
+    def state(self) -> BackendState:
+        """This built backend as a ``BackendState``."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_state(
+        cls, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange, state: BackendState
+    ) -> Backend:
+        """The backend ``state`` describes, over ``model``'s live parameters. Raises ValueError
+        naming the field when the state is malformed."""
 
     def versions(self) -> dict[str, str]:
-        return {}
+        return {"torch": torch.__version__}
 
 
-def make_backend(model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange) -> Backend:
-    """The backend named by ``config.backend`` (raises BackendUnavailableError where it cannot run)."""
+def backend_class(config: CompileConfig) -> type[Backend]:
+    """The backend class ``config.backend`` names (the tensorrt one imports Torch-TensorRT lazily)."""
     if config.backend == "tensorrt":
         from .tensorrt import TensorRTBackend
 
-        return TensorRTBackend(model, config, shapes)
-    from .torch import TorchBackend
+        return TensorRTBackend
+    from .pytorch import TorchBackend
 
-    return TorchBackend(model, config, shapes)
+    return TorchBackend
+
+
+def make_backend(model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange) -> Backend:
+    """A backend of ``config.backend`` (raises BackendUnavailableError where it cannot run)."""
+    return backend_class(config)(model, config, shapes)

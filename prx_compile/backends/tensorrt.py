@@ -1,151 +1,215 @@
-"""Torch-TensorRT backend: the transformer inside a ``MutableTorchTensorRTModule`` (MTTM).
+"""Torch-TensorRT backend: the exported, lowered step compiled into TensorRT engines.
 
-MTTM exports the model (non-strict, with the configured dynamic ranges) and compiles it; our rules
-run inside that compile as a Torch-TensorRT pre-lowering pass, so masked attention is never turned
-causal and fold/unfold never split the engine. Settings that make PRX correct are always set:
-``attn_bias_is_causal=False``; with ``attention="flash"`` the flash op is in ``torch_executed_ops``.
+    export_prx -> lower -> torch_tensorrt.dynamo.compile -> Program (engines + PyTorch ops between them)
 
-Refit: after a LoRA changes parameters in place, only the engine weights derived from them are
-refit (``trt.Refitter`` on the live engines), with no re-export and no rebuild. Which engine weight
-comes from which parameter is recorded at build time by a post-lowering pass that matches every
-graph constant to a parameter by value (Torch-TensorRT's constant folding turns ``W`` into ``W.T``).
-If a changed parameter cannot be traced to engine weights, the backend falls back to Torch-
-TensorRT's full refit (slow, still no rebuild) and says so in the returned timings.
+``torch_tensorrt.dynamo.compile`` is the compiler inside Torch-TensorRT's MutableTorchTensorRTModule;
+compile_prx calls it on its own export, so the model is exported once, and keeps the result as a
+``Program`` (``prx_compile.program``) that runs, saves, loads and refits the same way.
+
+Weights, by ``config.weights``:
+
+* ``"inputs"`` (default): the parameters are engine inputs. The engines read the transformer's own
+  tensors at every call, so one copy of the weights exists, a LoRA is an in-place update, CUDA graphs
+  stay valid and nothing is refit. Engines are small, and their cache key leaves the weights out.
+* ``"engine"``: weights are baked into each engine (TensorRT may fold and re-layout them). After a
+  LoRA, only the engine weights derived from changed parameters are refit (``trt.Refitter``); which
+  engine weight comes from which parameter is recorded at build time by a post-lowering pass that
+  matches every graph constant to a parameter by value (constant folding turns ``W`` into ``W.T``).
+
+Torch-TensorRT hooks (``lowering.ENGINE_RULES`` and that provenance pass) are registered only while
+``build`` runs. Settings correctness depends on are required (``trt_shim.compile_settings``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .. import progress
-from ..export import shape_generic_position_ids
-from ..fusion import fused_attention_processors
-from ..lowering.torch_tensorrt import lowering_passes, torch_executed_ops
-from . import Backend, trt_shim
+from ..errors import LoRAError
+from ..export import ACTIVATIONS, export_prx
+from ..lowering import ENGINE_RULES, lower
+from ..ops import FLASH_ATTENTION, JOINT_ATTENTION, PRX_ATTENTION
+from ..program import Program, from_graph_module
+from . import Backend, BackendState, trt_shim
 
 logger = logging.getLogger(__name__)
+_NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")
+_STEP_PREFIX = "model."  # PRXStep holds the transformer as ``model`` (weights="engine")
 
 
 class TensorRTBackend(Backend):
-    name = "tensorrt"
+    kind = "tensorrt"
 
     def __init__(self, model, config, shapes):
         super().__init__(model, config, shapes)
-        self.ttrt = trt_shim.torch_tensorrt()  # BackendUnavailableError with an install hint
-        self.mttm = None
-        self.loaded_gm: torch.fx.GraphModule | None = None  # set when loaded from an artifact
-        self.input_order: list[str] = []
-        #: graph constant name -> (parameter FQN, "id" | "t"), filled during the build
+        trt_shim.torch_tensorrt()  # BackendUnavailableError with an install hint
+        self.program: Program | None = None
+        self.engines: dict[str, torch.nn.Module] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        #: graph constant name -> (parameter FQN, "id" | "t"), weights="engine" only
         self.provenance: dict[str, tuple[str, str]] = {}
         self.refits = 0
-        self.full_refits = 0
+        self._slots: list[tuple[str, torch.nn.Module, str]] = []
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
-        """Torch-TensorRT compile settings (filtered to what this version knows)."""
-        wanted: dict[str, Any] = {
-            "torch_executed_ops": torch_executed_ops(self.config.lowering()),
+        """``torch_tensorrt.dynamo.compile`` keyword arguments."""
+        cfg = self.config
+        required = {
             "attn_bias_is_causal": False,  # Torch-TRT 2.11 would otherwise make masked attention causal
-            "decompose_attention": False,
-            "use_explicit_typing": True,  # the engine takes the model's dtype (bf16 weights -> bf16)
             "truncate_double": True,  # RoPE's float64 frequency table (TensorRT has no float64)
+            "use_python_runtime": True,  # live engines: partial refit, runtime cache
+            "immutable_weights": cfg.weights == "inputs",  # "engine": refittable
+            "device": _cuda_device(cfg.device),
         }
-        if self.config.optimization_level is not None:
-            wanted["optimization_level"] = self.config.optimization_level
-        return trt_shim.compile_kwargs(**wanted)
-
-    def dynamic_shape_range(self) -> dict[str, Any]:
-        return {**self.shapes.dynamic_shapes(), "return_dict": None}
+        if cfg.attention != "tensorrt":
+            required["torch_executed_ops"] = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION}
+        optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
+        if cfg.optimization_level is not None:
+            optional["optimization_level"] = cfg.optimization_level
+        return trt_shim.compile_settings(required, optional)
 
     @contextlib.contextmanager
-    def _compiling(self) -> Iterator[None]:
-        """Our lowering (pre) and weight-provenance (post) passes, shape-generic position ids and,
-        with ``fused_attention``, the fused PRX attention processors (MTTM exports inside)."""
-        from torch_tensorrt.dynamo.lowering.passes._aten_lowering_pass import ATEN_POST_LOWERING_PASSES
-
-        post = ATEN_POST_LOWERING_PASSES.passes
-        post.append(self._record_provenance)
+    def _build_hooks(self) -> Iterator[None]:
+        """Our passes in Torch-TensorRT's post-lowering list, for the duration of one compile."""
+        passes = trt_shim.post_lowering_passes()
+        added = list(ENGINE_RULES.values())
+        if self.config.weights == "engine":
+            added.append(self._record_provenance)
+        passes.extend(added)
         try:
-            fused = fused_attention_processors(self.model, self.config.fuses_attention())
-            with lowering_passes(), shape_generic_position_ids(), fused:
-                yield
+            yield
         finally:
-            post.remove(self._record_provenance)
+            for fn in added:
+                passes.remove(fn)
 
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        mttm_cls = self.ttrt.MutableTorchTensorRTModule
-        self.mttm = mttm_cls(
-            self.model, strict=False, use_python_runtime=self.config.runtime == "python", **self.settings()
+        cfg, ttrt = self.config, trt_shim.torch_tensorrt()
+        with progress.stage(f"export ({self.shapes.describe()})"):
+            ep, names = export_prx(
+                self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
+            )
+        with progress.stage("lower (prx_compile rules)"):
+            lower(ep.graph_module, cfg.lowering())
+        kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
+        if names is not None:  # shapes only: Input.from_tensor would copy every weight
+            params = dict(self.model.named_parameters())
+            kwarg_inputs["weights"] = [
+                ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
+            ]
+        settings = self.settings()
+        with progress.stage("build TensorRT engines"), self._build_hooks(), torch.no_grad():
+            gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
+        self.engines = {n: m for n, m in gm.named_children() if isinstance(m, trt_shim.engine_classes())}
+        self.program, self.constants = from_graph_module(
+            gm, engines=set(self.engines), weight_names=names, params=dict(self.model.named_parameters())
         )
-        if not self.shapes.is_static():
-            self.mttm.set_expected_dynamic_shape_range((), self.dynamic_shape_range())
-        with progress.stage("export, lower and build TensorRT engines (MTTM)"), torch.no_grad():
-            self(**example)
+        for module in self.engines.values():
+            trt_shim.use_runtime_cache(module, None)
+        self._bind()
         torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0
 
-    @classmethod
-    def from_graph(
-        cls,
-        model,
-        config,
-        shapes,
-        gm: torch.fx.GraphModule,
-        input_order: list[str],
-        provenance: dict[str, tuple[str, str]],
-    ) -> TensorRTBackend:
-        """A backend around an already compiled graph (``load_compiled``): no MTTM, no build."""
-        backend = cls(model, config, shapes)
-        backend.loaded_gm, backend.input_order = gm, input_order
-        backend.provenance = {k: tuple(v) for k, v in provenance.items()}
-        backend.build_s = 0.0
-        return backend
-
-    @property
-    def gm(self) -> torch.fx.GraphModule:
-        """The compiled GraphModule: TensorRT engines and PyTorch segments."""
-        return self.loaded_gm if self.loaded_gm is not None else self.mttm.gm
+    # -- the step -------------------------------------------------------------------------------
+    def _bind(self) -> None:
+        """Where each parameter the program reads lives (module, attribute): read live per call."""
+        modules = dict(self.model.named_modules())
+        self._slots = []
+        for fqn in sorted(self.program.refs("w:")):
+            mod, _, attr = fqn.rpartition(".")
+            self._slots.append((fqn, modules[mod], attr))
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
-        if self.loaded_gm is not None:
-            args = [False if name == "return_dict" else inputs[name] for name in self.input_order]
-            out = self.loaded_gm(*args)
-            return out[0] if isinstance(out, (tuple, list)) else out
-        with self._compiling():
-            return self.mttm(**inputs, return_dict=False)[0]
+        params = {fqn: getattr(m, a) for fqn, m, a in self._slots}
+        out = self.program.run(inputs, params, self.engines, self.constants)
+        return out[0] if isinstance(out, (list, tuple)) else out
 
     # -- reports --------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        gm = self.gm
-        segments = trt_shim.torch_segments(gm)
-        ops: Counter = Counter()
-        for _, seg in segments:
-            for node in seg.graph.nodes:
-                if node.op == "call_function":
-                    ops[str(node.target)] += 1
         return {
-            "engines": len(trt_shim.engine_modules(gm)),
-            "torch_segments": len(segments),
-            "torch_ops": dict(ops),
+            "engines": len(self.engines),
+            "torch_segments": self.program.segments,
+            "torch_ops": self.program.torch_ops(),
+            "engine_mb": sum(len(m.serialized_engine) for m in self.engines.values()) / 2**20,
         }
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, **trt_shim.versions()}
 
-    # -- refit ----------------------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> BackendState:
+        blobs: dict[str, bytes] = {}
+        for name, module in self.engines.items():
+            blobs[f"{name}.engine"] = trt_shim.engine_bytes(module, self.needs_refit)
+            cache = trt_shim.runtime_cache_bytes(module)
+            if cache:
+                blobs[f"{name}.rtcache"] = cache
+        meta = {
+            "kind": self.kind,
+            "weights": self.config.weights,
+            "program": self.program.to_json(),
+            "engines": {n: trt_shim.engine_record(m) for n, m in self.engines.items()},
+            "provenance": {k: list(v) for k, v in sorted(self.provenance.items())},
+        }
+        return BackendState(meta, blobs, dict(self.constants))
+
+    @classmethod
+    def from_state(cls, model, config, shapes, state: BackendState) -> TensorRTBackend:
+        meta = state.meta
+        keys = {"kind", "weights", "program", "engines", "provenance"}
+        if not isinstance(meta, dict) or set(meta) != keys or meta["kind"] != cls.kind:
+            raise ValueError(f"a tensorrt backend state has exactly the keys {sorted(keys)}")
+        if meta["weights"] != config.weights:
+            raise ValueError(f"weights={meta['weights']!r} does not match the config's {config.weights!r}")
+        records = meta["engines"]
+        if not isinstance(records, dict) or not all(isinstance(n, str) and _NAME.match(n) for n in records):
+            raise ValueError("engines must map engine names ([A-Za-z0-9_]) to records")
+        params = {n for n, _ in model.named_parameters()}
+        provenance = _check_provenance(meta["provenance"], params)
+        program = Program.from_json(
+            meta["program"], engines=set(records), params=params, constants=set(state.tensors)
+        )
+        extra = set(state.blobs) - {f"{n}.{s}" for n in records for s in ("engine", "rtcache")}
+        if extra:
+            raise ValueError(f"unexpected files {sorted(extra)[:3]}")
+        backend = cls(model, config, shapes)
+        device = torch.device(config.device)
+        for name, rec in records.items():
+            rec = trt_shim.check_engine_record(rec)
+            blob = state.blobs.get(f"{name}.engine")
+            if blob is None:
+                raise ValueError(f"engine {name!r} has no .engine file")
+            try:
+                module = trt_shim.engine_module(blob, rec, name, device)
+                trt_shim.use_runtime_cache(module, state.blobs.get(f"{name}.rtcache"))
+            except Exception as e:  # TensorRT's own errors on bytes it cannot read
+                raise ValueError(f"TensorRT cannot load engine {name!r}: {type(e).__name__}: {e}") from e
+            backend.engines[name] = module
+        backend.program = program
+        backend.constants = {k: v.to(device) for k, v in state.tensors.items()}
+        backend.provenance = provenance
+        backend._bind()
+        backend.build_s = 0.0
+        return backend
+
+    # -- refit (weights="engine") ---------------------------------------------------------------
+    @property
+    def needs_refit(self) -> bool:
+        return self.config.weights == "engine"
+
     def _record_provenance(self, gm: torch.fx.GraphModule, settings: Any) -> torch.fx.GraphModule:
         """Post-lowering pass: trace every graph constant back to a model parameter by value."""
         tensors = dict(gm.named_parameters(remove_duplicate=False))
         tensors.update(gm.named_buffers(remove_duplicate=False))
-        originals = {n: t for n, t in tensors.items() if not n.startswith("_frozen_param")}
+        originals = {n: t for n, t in tensors.items() if n.startswith(_STEP_PREFIX)}
         by_numel: dict[int, list[str]] = {}
         for n, t in originals.items():
             by_numel.setdefault(t.numel(), []).append(n)
@@ -154,20 +218,22 @@ class TensorRTBackend(Backend):
                 continue
             name = node.target
             if name in originals:
-                self.provenance[name] = (name, "id")
+                self.provenance[name] = (name[len(_STEP_PREFIX) :], "id")
                 continue
             match = _match_constant(tensors[name], originals, by_numel.get(tensors[name].numel(), []))
             if match is not None:
-                self.provenance[name] = match
+                self.provenance[name] = (match[0][len(_STEP_PREFIX) :], match[1])
         return gm
 
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
+        if self.config.weights == "inputs":
+            return {"refit_s": 0.0, "graphs_valid": True, "engines_refit": 0}
         t0 = time.perf_counter()
         changed = set(names)
         params = dict(self.model.named_parameters())
         plans = []
         covered: set[str] = set()
-        for _, module in trt_shim.engine_modules(self.gm):
+        for module in self.engines.values():
             updates = {}
             for ew, (key, wdtype) in trt_shim.weight_name_map(module).items():
                 src = self.provenance.get(key)
@@ -180,37 +246,39 @@ class TensorRTBackend(Backend):
                 covered.add(fqn)
             if updates:
                 plans.append((module, updates))
-        untraced = sorted(changed - covered)  # unknown names, or values TensorRT holds in another form
+        untraced = sorted(changed - covered - self.program.refs("w:"))  # read live: nothing to refit
         if untraced:
-            if self.mttm is None:
-                from ..errors import LoRAError
-
-                raise LoRAError(
-                    f"parameters {untraced[:3]} cannot be traced to engine weights of this loaded artifact.",
-                    "load it with rebuild=True, or compile again, to refit them.",
-                )
-            logger.warning(
-                "refit: %d changed parameter(s) not traced to engine weights (e.g. %s): "
-                "using Torch-TensorRT's full refit",
-                len(untraced),
-                untraced[:3],
+            raise LoRAError(
+                f"parameters {untraced[:3]} cannot be traced to engine weights, so they cannot be refit.",
+                "compile with weights='inputs' (the default): engines then read the parameters directly.",
             )
-            device = next(self.model.parameters()).device
-            with self._compiling():
-                trt_shim.full_refit(self.mttm)
-            self.model.to(device)  # MTTM's refit moves the PyTorch model to the CPU afterwards
-            self.full_refits += 1
-            return {"refit_s": time.perf_counter() - t0, "rebuilt": False, "full_refit": True}
         for module, updates in progress.items(plans, "refit engines"):
             trt_shim.refit_weights(module, updates)
         self.refits += 1
         return {
             "refit_s": time.perf_counter() - t0,
-            "rebuilt": False,
-            "full_refit": False,
+            "graphs_valid": False,
             "engine_weights": sum(len(u) for _, u in plans),
             "engines_refit": len(plans),
         }
+
+
+def _cuda_device(name: str) -> torch.device:
+    """``cuda`` with its index (Torch-TensorRT needs one)."""
+    d = torch.device(name)
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_provenance(data: Any, params: set[str]) -> dict[str, tuple[str, str]]:
+    if not isinstance(data, dict):
+        raise ValueError("provenance must be a mapping")
+    out = {}
+    for k, v in data.items():
+        ok = isinstance(k, str) and len(k) < 300 and isinstance(v, list) and len(v) == 2
+        if not ok or v[0] not in params or v[1] not in ("id", "t"):
+            raise ValueError(f"provenance entry {str(k)[:80]!r} is malformed")
+        out[k] = (v[0], v[1])
+    return out
 
 
 def _match_constant(

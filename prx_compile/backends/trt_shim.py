@@ -1,9 +1,8 @@
-"""Every Torch-TensorRT / TensorRT API difference this project depends on, in one place.
+"""Every Torch-TensorRT / TensorRT API this project depends on, in one place.
 
 Checked against Torch-TensorRT 2.11 (and its TensorRT-RTX build), with the changes of 2.12-2.14 read
-from their sources: ``use_weight_map_cache`` and ``PythonTorchTensorRTModule`` are gone in 2.13,
-``enabled_precisions``/``use_explicit_typing`` were removed from ``dynamo.compile``.
-torch_tensorrt is imported lazily, here only.
+from their sources: ``use_explicit_typing`` was removed from ``dynamo.compile`` (explicit typing is
+the default), ``PythonTorchTensorRTModule`` is gone in 2.13. torch_tensorrt is imported lazily, here.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from typing import Any
 
 import torch
@@ -36,8 +36,8 @@ def torch_tensorrt():
         import torch_tensorrt as ttrt
     except Exception as e:  # ImportError, or OSError when TensorRT's libraries are missing
         raise BackendUnavailableError(
-            f"backend='tensorrt' needs Torch-TensorRT, which cannot be "
-            f"imported here ({type(e).__name__}: {e}).",
+            f"backend='tensorrt' needs Torch-TensorRT, which cannot be imported here "
+            f"({type(e).__name__}: {e}).",
             INSTALL_HINT,
         ) from e
     return ttrt
@@ -59,76 +59,76 @@ def versions() -> dict[str, str]:
     }
 
 
-def compile_kwargs(**wanted: Any) -> dict[str, Any]:
-    """``wanted`` minus the keys this Torch-TensorRT's ``dynamo.compile`` does not know."""
-    params = inspect.signature(torch_tensorrt().dynamo.compile).parameters
-    kept = {k: v for k, v in wanted.items() if k in params}
-    dropped = sorted(set(wanted) - set(kept))
-    if dropped:
-        logger.debug(
-            "Torch-TensorRT %s has no setting(s) %s: left out", versions()["torch_tensorrt"], dropped
+def compile_settings(
+    required: dict[str, Any], optional: dict[str, Any], compile_fn: Any = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``torch_tensorrt.dynamo.compile``.
+
+    required: settings correctness depends on; one this Torch-TensorRT does not take raises
+        BackendUnavailableError naming it. optional: left out (logged) where unknown.
+    """
+    fn = compile_fn or torch_tensorrt().dynamo.compile
+    params = inspect.signature(fn).parameters
+    missing = sorted(k for k in required if k not in params)
+    if missing:
+        raise BackendUnavailableError(
+            f"this Torch-TensorRT ({getattr(torch_tensorrt(), '__version__', '?')}) has no setting(s) "
+            f"{missing}, which compile_prx needs to be correct.",
+            "install Torch-TensorRT 2.11 (the version this release is checked against).",
         )
-    return kept
+    dropped = sorted(k for k in optional if k not in params)
+    if dropped:
+        logger.info("Torch-TensorRT has no setting(s) %s: left at their defaults", dropped)
+    return {**required, **{k: v for k, v in optional.items() if k in params}}
+
+
+@functools.lru_cache(maxsize=1)
+def post_lowering_passes() -> list:
+    """Torch-TensorRT's list of post-lowering passes (functions ``(gm, settings) -> gm``)."""
+    torch_tensorrt()
+    from torch_tensorrt.dynamo.lowering.passes._aten_lowering_pass import ATEN_POST_LOWERING_PASSES
+
+    return ATEN_POST_LOWERING_PASSES.passes
 
 
 def engine_classes() -> tuple[type, ...]:
     rt = torch_tensorrt().dynamo.runtime
     return tuple(
         c
-        for c in (getattr(rt, "TorchTensorRTModule", None), getattr(rt, "PythonTorchTensorRTModule", None))
+        for c in (getattr(rt, "PythonTorchTensorRTModule", None), getattr(rt, "TorchTensorRTModule", None))
         if c is not None
     )
 
 
-def engine_modules(gm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every TensorRT engine child of a compiled GraphModule."""
-    classes = engine_classes()
-    return [(n, m) for n, m in gm.named_children() if isinstance(m, classes)]
-
-
-def torch_segments(gm: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every PyTorch-executed partition (``_run_on_gpu_*``)."""
-    return [(n, m) for n, m in gm.named_children() if n.startswith("_run_on_gpu")]
-
-
-def live_engine(module: torch.nn.Module):
-    """The module's ``trt.ICudaEngine`` if the runtime keeps one in Python (Python runtime), else None."""
-    engine = getattr(module, "engine", None)
-    return engine if engine is not None and hasattr(engine, "num_io_tensors") else None
-
-
 def weight_name_map(module: torch.nn.Module) -> dict[str, Any]:
     """engine weight name -> [state-dict key, dtype], as Torch-TensorRT recorded it at build."""
-    wmap = getattr(module, "weight_name_map", None)
-    if wmap is None and hasattr(module, "engine") and hasattr(module.engine, "__getstate__"):
-        from torch_tensorrt.dynamo.runtime._TorchTensorRTModule import SERIALIZED_METADATA_IDX
-
-        meta = module.decode_metadata(module.engine.__getstate__()[0][SERIALIZED_METADATA_IDX])
-        wmap = meta.get("weight_name_map")
-    return {k: v for k, v in (wmap or {}).items() if k != "constant_mapping"}
+    wmap = getattr(module, "weight_name_map", None) or {}
+    return {k: v for k, v in wmap.items() if k != "constant_mapping"}
 
 
-def engine_bytes(module: torch.nn.Module) -> bytes:
-    """The serialized engine, including weights changed by refits since the build."""
-    engine = live_engine(module)
-    return engine_bytes_from(engine) if engine is not None else bytes(module.serialized_engine)
+def engine_bytes(module: torch.nn.Module, refittable: bool) -> bytes:
+    """The serialized engine; a refittable one with the weights refits changed since the build."""
+    if not refittable:
+        return bytes(module.serialized_engine)
+    t = trt()
+    engine = module.engine
+    cfg = engine.create_serialization_config()
+    if hasattr(t.SerializationFlag, "EXCLUDE_WEIGHTS"):
+        cfg.clear_flag(t.SerializationFlag.EXCLUDE_WEIGHTS)
+    if hasattr(t.SerializationFlag, "INCLUDE_REFIT"):
+        cfg.set_flag(t.SerializationFlag.INCLUDE_REFIT)
+    return bytes(engine.serialize_with_config(cfg))
 
 
 def refit_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Refit the named engine weights of one engine module in place (others keep their values).
+    """Refit the named engine weights of one live engine in place (others keep their values).
 
     weights: engine weight name -> flat contiguous CUDA tensor in the engine's dtype.
-    Python runtime: the live engine is refit. C++ runtime: the engine is deserialized, refit,
-    serialized and set up again (slower, same result).
     """
     t = trt()
     from torch_tensorrt.logging import TRT_LOGGER
 
-    engine = live_engine(module)
-    live = engine is not None
-    if not live:
-        engine = t.Runtime(TRT_LOGGER).deserialize_cuda_engine(bytes(module.serialized_engine))
-    refitter = t.Refitter(engine, TRT_LOGGER)
+    refitter = t.Refitter(module.engine, TRT_LOGGER)
     for name, w in weights.items():
         tw = t.Weights(_trt_dtype(w.dtype), w.data_ptr(), w.numel())
         if not refitter.set_named_weights(name, tw, t.TensorLocation.DEVICE):
@@ -139,20 +139,6 @@ def refit_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> 
     if not refitter.refit_cuda_engine():
         raise RuntimeError("TensorRT refit_cuda_engine() failed")
     torch.cuda.synchronize()
-    if not live:
-        module.engine = None
-        module.serialized_engine = engine_bytes_from(engine)
-        module.setup_engine()
-
-
-def engine_bytes_from(engine) -> bytes:
-    t = trt()
-    cfg = engine.create_serialization_config()
-    if hasattr(t.SerializationFlag, "EXCLUDE_WEIGHTS"):
-        cfg.clear_flag(t.SerializationFlag.EXCLUDE_WEIGHTS)
-    if hasattr(t.SerializationFlag, "INCLUDE_REFIT"):
-        cfg.set_flag(t.SerializationFlag.INCLUDE_REFIT)
-    return bytes(engine.serialize_with_config(cfg))
 
 
 def torch_dtype_of(weight_dtype: Any) -> torch.dtype:
@@ -174,75 +160,116 @@ def _trt_dtype(d: torch.dtype):
     }[d]
 
 
-def full_refit(mttm) -> None:
-    """Torch-TensorRT's own refit of every engine from ``mttm.original_model`` (re-lowers the graph)."""
-    mttm.refit_gm()
+# -- TensorRT-RTX runtime cache (its JIT kernels) ---------------------------------------------------
+def has_runtime_cache(module: torch.nn.Module) -> bool:
+    return hasattr(module.engine, "create_runtime_config")
 
 
-def engine_io(module: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(input binding names, output binding names) of an engine module, whatever its runtime."""
-    ins = getattr(module, "input_names", None) or getattr(module, "input_binding_names", None) or []
-    outs = getattr(module, "output_names", None) or getattr(module, "output_binding_names", None) or []
-    return list(ins), list(outs)
+def use_runtime_cache(module: torch.nn.Module, blob: bytes | None) -> None:
+    """Give the engine module an execution context whose TensorRT-RTX runtime cache starts from
+    ``blob`` (None: empty), so kernels JIT-compiled in an earlier process are reused. No-op on full
+    TensorRT. The config and cache are kept on the module as long as the context lives."""
+    if not has_runtime_cache(module):
+        return
+    cfg = module.engine.create_runtime_config()
+    cache = cfg.create_runtime_cache()
+    if blob:
+        cache.deserialize(blob)
+    cfg.set_runtime_cache(cache)
+    module._prx_runtime = (cfg, cache)
+    module.context = module.engine.create_execution_context(cfg)
+    if hasattr(module, "runtime_states"):
+        module.runtime_states.context_changed = True
+
+
+def runtime_cache_bytes(module: torch.nn.Module) -> bytes | None:
+    runtime = getattr(module, "_prx_runtime", None)
+    if runtime is None:
+        return None
+    data = runtime[1].serialize()
+    return bytes(memoryview(data)) if data is not None else None
+
+
+# -- engine modules from bytes (no pickle) -----------------------------------------------------------
+_BINDING = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
 
 def engine_record(module: torch.nn.Module) -> dict[str, Any]:
-    """JSON-able facts needed to recreate an engine module from its bytes (no pickle)."""
-    ins, outs = engine_io(module)
-    wmap = {k: [v[0], str(v[1])] for k, v in weight_name_map(module).items()}
-    exprs = getattr(module, "symbolic_shape_expressions", None)
+    """JSON-able facts needed to recreate an engine module from its bytes."""
     return {
-        "input_names": ins,
-        "output_names": outs,
-        "weight_name_map": wmap,
+        "inputs": list(module.input_names),
+        "outputs": list(module.output_names),
+        "weight_name_map": {k: [v[0], str(v[1])] for k, v in weight_name_map(module).items()},
         "requires_output_allocator": bool(getattr(module, "requires_output_allocator", False)),
-        "symbolic_shape_expressions": exprs if _json_able(exprs) else None,
         "outputs_unowned": bool(getattr(module, "output_tensors_are_unowned", False)),
-        "runtime": "python" if live_engine(module) is not None else "cpp",
     }
 
 
-def _json_able(x: Any) -> bool:
-    import json
+def check_engine_record(rec: Any) -> dict[str, Any]:
+    """Validate a saved engine record (ValueError naming the field)."""
+    keys = {"inputs", "outputs", "weight_name_map", "requires_output_allocator", "outputs_unowned"}
+    if not isinstance(rec, dict) or set(rec) != keys:
+        raise ValueError(f"an engine record has exactly the keys {sorted(keys)}")
+    for key in ("inputs", "outputs"):
+        v = rec[key]
+        if (
+            not isinstance(v, list)
+            or len(v) > 10_000
+            or not all(isinstance(n, str) and _BINDING.match(n) for n in v)
+        ):
+            raise ValueError(f"engine record {key} must be a list of binding names")
+    wmap = rec["weight_name_map"]
+    if not isinstance(wmap, dict) or len(wmap) > 100_000:
+        raise ValueError("engine record weight_name_map must be a mapping")
+    for k, v in wmap.items():
+        ok = (
+            isinstance(k, str)
+            and len(k) < 500
+            and isinstance(v, list)
+            and len(v) == 2
+            and all(isinstance(x, str) and len(x) < 300 for x in v)
+            and _dtype_name(v[1]) is not None
+        )
+        if not ok:
+            raise ValueError(f"engine record weight_name_map entry {k[:80]!r} is malformed")
+    for key in ("requires_output_allocator", "outputs_unowned"):
+        if not isinstance(rec[key], bool):
+            raise ValueError(f"engine record {key} must be true or false")
+    return rec
 
-    try:
-        json.dumps(x)
-        return True
-    except TypeError:
-        return False
+
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32", "int64", "bool")
 
 
-def make_engine_module(serialized: bytes, record: dict[str, Any], name: str, device: torch.device):
-    """An engine module (Python or C++ runtime, as recorded) around serialized engine bytes."""
+def _dtype_name(name: str) -> str | None:
+    short = name.split(".")[-1]
+    return short if short in _DTYPE_NAMES else None
+
+
+def engine_module(serialized: bytes, record: dict[str, Any], name: str, device: torch.device):
+    """A Python-runtime engine module around serialized engine bytes (record from ``engine_record``).
+
+    TensorRT deserialises the bytes with its default ``engine_host_code_allowed = False``: an engine
+    that carries host code (a lean runtime, plugins) is refused."""
     ttrt = torch_tensorrt()
     from torch_tensorrt.dynamo import CompilationSettings
     from torch_tensorrt.dynamo.utils import to_torch_tensorrt_device
 
-    rt = ttrt.dynamo.runtime
-    cls = getattr(rt, "PythonTorchTensorRTModule", None) if record["runtime"] == "python" else None
-    cls = cls or rt.TorchTensorRTModule
-    wmap = {k: [v[0], _dtype_from_str(v[1])] for k, v in record["weight_name_map"].items()}
+    wmap = {k: [v[0], getattr(torch, _dtype_name(v[1]))] for k, v in record["weight_name_map"].items()}
+    settings = CompilationSettings(device=to_torch_tensorrt_device(device), use_python_runtime=True)
+    cls = ttrt.dynamo.runtime.PythonTorchTensorRTModule
     kwargs = {
         "name": name,
-        "settings": CompilationSettings(device=to_torch_tensorrt_device(device)),
+        "settings": settings,
         "weight_name_map": wmap,
         "requires_output_allocator": record["requires_output_allocator"],
-        "symbolic_shape_expressions": record["symbolic_shape_expressions"],
     }
     params = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in params}
-    module = cls(serialized, record["input_names"], record["output_names"], **kwargs)
-    if record.get("outputs_unowned") and hasattr(module, "set_output_tensors_as_unowned"):
+    module = cls(
+        serialized, record["inputs"], record["outputs"], **{k: v for k, v in kwargs.items() if k in params}
+    )
+    if module.engine is None:
+        raise ValueError(f"TensorRT could not deserialise engine {name!r}")
+    if record["outputs_unowned"]:
         module.set_output_tensors_as_unowned(True)
-    if not hasattr(module, "weight_name_map") or module.weight_name_map is None:
-        module.weight_name_map = wmap
     return module
-
-
-def _dtype_from_str(name: str):
-    """'torch.bfloat16' -> torch.bfloat16; 'float32' (numpy) -> numpy.float32 dtype."""
-    if name.startswith("torch."):
-        return getattr(torch, name.split(".", 1)[1])
-    import numpy as np
-
-    return np.dtype(name)

@@ -2,7 +2,12 @@
 
 Each rule lives in its own file, has the signature ``(gm, settings) -> gm``, rewrites only what it
 can prove exact (anything else is left as is and logged at debug level) and logs how many nodes it
-rewrote. The pass order is the explicit list ``RULES``.
+rewrote. Two explicit lists say when they run:
+
+* ``RULES`` (unfold, fold, attention, select): ``lower(gm, settings)``, on the exported graph,
+  before any backend sees it;
+* ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
+  decompositions (which would undo them), registered only while ``backends.tensorrt`` builds.
 
     >>> ep = torch.export.export(model, (), kwargs)
     >>> gm = prx_compile.lowering.lower(ep.module())                  # form (b): flash attention op
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import attention, fold, select, unfold
+from . import attention, fold, select, shape_ints, unfold
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +34,13 @@ class LoweringSettings:
     """What the rules emit.
 
     attention: ``"flash"`` — masked/joint attention becomes a ``prx_compile`` op kept in PyTorch
-        between TensorRT engines (fast, exact); ``"tensorrt"`` — it is decomposed into
+        between TensorRT engines (fast, exact): ``joint_attention`` for PRX's [masked text keys; image
+        keys], ``flash_attention`` for any other key mask; ``"tensorrt"`` — it is decomposed into
         matmul/softmax inside TensorRT (one engine, slower attention).
-    joint_attention: with ``"flash"``, recognise ``cat([text, image])`` keys under a text mask and
-        emit ``joint_attention`` (dense flash over image keys + log-sum-exp merge) instead of the
-        generic ``flash_attention``.
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     """
 
     attention: str = "flash"
-    joint_attention: bool = True
     select_as_slice: bool = True
 
     def __post_init__(self):
@@ -49,24 +51,6 @@ class LoweringSettings:
                 f"LoweringSettings.attention={self.attention!r} is not one of {ATTENTION_FORMS}.",
                 "use 'flash' (attention between engines) or 'tensorrt' (one engine).",
             )
-
-    def marker(self) -> str:
-        """These settings as a string that travels inside Torch-TensorRT's ``torch_executed_ops``
-        (it matches no op), so a refit's re-lowering uses exactly the build's rules."""
-        return (
-            f"prx_compile.lowering(attention={self.attention},joint_attention={int(self.joint_attention)},"
-            f"select_as_slice={int(self.select_as_slice)})"
-        )
-
-    @classmethod
-    def from_marker(cls, marker: str) -> LoweringSettings:
-        body = marker[marker.index("(") + 1 : marker.rindex(")")]
-        kv = dict(item.split("=") for item in body.split(","))
-        return cls(
-            attention=kv["attention"],
-            joint_attention=kv["joint_attention"] == "1",
-            select_as_slice=kv["select_as_slice"] == "1",
-        )
 
 
 Rule = Callable[[fx.GraphModule, LoweringSettings], fx.GraphModule]
@@ -91,6 +75,9 @@ register_rule("unfold")(unfold.rule)
 register_rule("fold")(fold.rule)
 register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
+
+#: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.
+ENGINE_RULES: dict[str, Rule] = {"shape_ints": shape_ints.rule}
 
 
 def lower(gm: fx.GraphModule, settings: LoweringSettings | None = None) -> fx.GraphModule:
@@ -117,4 +104,4 @@ def _is_impure(node: fx.Node) -> bool:
     return node.op in ("placeholder", "output") or node.is_impure()
 
 
-__all__ = ["lower", "RULES", "register_rule", "LoweringSettings", "ATTENTION_FORMS"]
+__all__ = ["lower", "RULES", "ENGINE_RULES", "register_rule", "LoweringSettings", "ATTENTION_FORMS"]

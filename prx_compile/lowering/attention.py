@@ -265,9 +265,9 @@ def _joint_parts(em: Emitter, a: _SDPA):
     return (bshd(ks[masked], kp), bshd(vs[masked], vp), mask_a, bshd(ks[dense], kp), bshd(vs[dense], vp))
 
 
-def _emit_flash(em: Emitter, a: _SDPA, scale: float, settings) -> fx.Node | None:
+def _emit_flash(em: Emitter, a: _SDPA, scale: float) -> fx.Node | None:
     qt = em.call(aten.transpose.int, a.q, 1, 2)
-    joint = _joint_parts(em, a) if getattr(settings, "joint_attention", True) else None
+    joint = _joint_parts(em, a)
     if joint is not None:
         out = em.call(JOINT_ATTENTION, qt, *joint, scale)
         return em.call(aten.transpose.int, out, 1, 2)
@@ -323,7 +323,7 @@ def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
         head_dim = a.q.meta["val"].shape[-1]
         scale = float(a.scale) if a.scale is not None else 1.0 / math.sqrt(head_dim)
         em = Emitter(gm, node)
-        out = _emit_flash(em, a, scale, settings) if form == "flash" else None
+        out = _emit_flash(em, a, scale) if form == "flash" else None
         if out is None:
             if form == "flash":
                 logger.debug("attention: %s has a mask that varies over queries or heads: form (a)", node)

@@ -63,7 +63,7 @@ def test_prx_attention_cuda_matches_cpu_reference(hidden):
 @pytest.mark.parametrize("fused", [True, False])
 def test_compile_prx_fused_switch(fused):
     model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
-    ct = compile_prx(model, fused_attention=fused, **RANGE)
+    ct = compile_prx(model, attention="fused" if fused else "flash", **RANGE)
     for masked in (0, 64):
         kw = inputs(model, masked=masked, seed=masked)
         out = ct(**kw, return_dict=False)[0]

@@ -1,12 +1,21 @@
-"""LoRA refit without rebuild, and save/load of the compiled engines, on the GPU."""
+"""LoRA (in place with weights: inputs, refit with weights: engine) and save/load, on the GPU."""
+
+import time
 
 import pytest
 import torch
 
-from prx_compile import ArtifactError, compile_prx
+from prx_compile import (
+    ArtifactError,
+    compile_prx,
+    load_compiled,
+    load_lora,
+    save_compiled,
+    set_lora,
+    unload_lora,
+)
 from prx_compile.bench import rel_err
-from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
-from prx_compile.serialization import load_compiled, save_compiled
+from prx_compile.lora import make_random_lora
 from prx_compile.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
@@ -15,19 +24,21 @@ from .test_tensorrt import eager, inputs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def compiled():
+@pytest.fixture(scope="module", params=["inputs", "engine"])
+def compiled(request):
     model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
-    return model, compile_prx(model, **RANGE).build(inputs(model))
+    ct = compile_prx(model, weights=request.param, static=True, specialize=[[512, 512, 2]], **RANGE)
+    return model, ct.build()
 
 
-def test_lora_refits_without_rebuild_and_switches_exactly(compiled):
+def test_lora_switches_exactly_without_rebuild(compiled):
     model, ct = compiled
     kw = inputs(model)
     base = ct(**kw, return_dict=False)[0].clone()
     a, b = make_random_lora(model, 16, seed=1, std=0.05), make_random_lora(model, 16, seed=2, std=0.05)
+    t0 = time.perf_counter()
     rep = load_lora(ct, a, "a")
-    assert rep["refit"]["full_refit"] is False and ct.builds == 1
+    load_s = time.perf_counter() - t0
     out_a = ct(**kw, return_dict=False)[0].clone()
     assert rel_err(out_a, eager(model, kw)) < 2e-2 and rel_err(out_a, base) > 1e-2
     load_lora(ct, b, "b")
@@ -36,20 +47,42 @@ def test_lora_refits_without_rebuild_and_switches_exactly(compiled):
     assert torch.equal(ct(**kw, return_dict=False)[0], out_a)
     unload_lora(ct)
     assert torch.equal(ct(**kw, return_dict=False)[0], base)
-    assert ct.report()["engines"] == SMALL_PRX["depth"] + 1 and ct.builds == 1
+    assert ct.builds == 1
+    if ct.compile_config.weights == "inputs":
+        assert rep["refit"]["engines_refit"] == 0 and load_s < 1.0, (rep, load_s)
+    else:
+        assert rep["refit"]["engines_refit"] > 0
 
 
 def test_save_load_roundtrip_and_tamper(compiled, tmp_path):
     model, ct = compiled
     kw = inputs(model)
-    expected = ct(**kw, return_dict=False)[0]
+    load_lora(ct, make_random_lora(model, 8, seed=3, std=0.05), "c", 0.5)
+    expected = ct(**kw, return_dict=False)[0].clone()
     save_compiled(ct, tmp_path / "art")
     loaded = load_compiled(tmp_path / "art")
     assert torch.equal(loaded(**kw, return_dict=False)[0], expected)
     assert loaded.report()["engines"] == SMALL_PRX["depth"] + 1
-    engine = next((tmp_path / "art" / "engines").iterdir())
+    unload_lora(loaded)
+    unload_lora(ct)
+    assert torch.equal(loaded(**kw, return_dict=False)[0], ct(**kw, return_dict=False)[0])
+    engine = next((tmp_path / "art" / "sets" / "0").glob("*.engine"))
     data = bytearray(engine.read_bytes())
     data[len(data) // 2] ^= 0xFF
     engine.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="sha256"):
         load_compiled(tmp_path / "art")
+
+
+def test_engine_cache_hit_follows_the_live_weights(tmp_path):
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    cfg = dict(static=True, specialize=[[512, 512, 2]], engine_cache_dir=str(tmp_path / "cache"), **RANGE)
+    kw = inputs(model)
+    first = compile_prx(model, **cfg)
+    base = first(**kw, return_dict=False)[0].clone()
+    second = compile_prx(model, **cfg)
+    assert torch.equal(second(**kw, return_dict=False)[0], base)
+    assert second.cache_hits[0]["load_s"] is not None and second.builds == 0
+    load_lora(second, make_random_lora(model, 16, seed=4, std=0.1), "d")
+    assert rel_err(second(**kw, return_dict=False)[0], eager(model, kw)) < 2e-2
+    assert rel_err(second(**kw, return_dict=False)[0], base) > 1e-2

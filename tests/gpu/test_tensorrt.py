@@ -1,4 +1,5 @@
-"""compile_prx on Torch-TensorRT, checked against eager on a small non-degenerate PRX (bf16)."""
+"""compile_prx on Torch-TensorRT, checked against eager on a small non-degenerate PRX (bf16), for both
+``weights`` modes: engine sets, shapes, CUDA graphs, attention forms."""
 
 import pytest
 import torch
@@ -25,49 +26,71 @@ def eager(model, kw):
         return model(**kw, return_dict=False)[0]
 
 
-@pytest.fixture(scope="module")
-def flash():
+@pytest.fixture(scope="module", params=["inputs", "engine"])
+def compiled(request):
     model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
-    return model, compile_prx(model, **RANGE).build(inputs(model))
+    return model, compile_prx(model, weights=request.param, **RANGE)
 
 
 @pytest.mark.parametrize("masked", [0, 40, 64])  # none, some, all text tokens of a row hidden
-def test_flash_form_matches_eager(flash, masked):
-    model, ct = flash
+def test_matches_eager_under_the_text_mask(compiled, masked):
+    model, ct = compiled
     kw = inputs(model, masked=masked, seed=masked)
     out = ct(**kw, return_dict=False)[0]
     assert not out.isnan().any()
     assert rel_err(out, eager(model, kw)) < TOL
     rep = ct.report()
     assert rep["engines"] == SMALL_PRX["depth"] + 1 and rep["torch_segments"] == SMALL_PRX["depth"]
-    assert set(rep["torch_ops"]) <= {"prx_compile.prx_attention.default"}, rep["torch_ops"]
+    assert rep["torch_ops"] == {"prx_compile.prx_attention.default": SMALL_PRX["depth"]}, rep["torch_ops"]
 
 
-def test_other_shapes_same_build(flash):
-    model, ct = flash
-    for kw in (inputs(model, batch=1, seed=3), inputs(model, text=30, masked=5, seed=4)):
+def test_specialised_set_then_range_set(compiled):
+    model, ct = compiled
+    ct(**inputs(model), return_dict=False)  # 512² batch 2, 64 tokens: the specialised static set
+    static = [b for b in ct.backends if b.shapes.is_static() and b.shapes.batch == (2, 2)][0]
+    assert static.is_built
+    for kw in (
+        inputs(model, batch=1, seed=3),
+        inputs(model, text=30, masked=5, seed=4),
+        inputs(model, h=48, w=80),
+    ):
         assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
-    assert ct.builds == 1
+    rng = max(ct.backends, key=lambda b: b.shapes.volume())
+    assert rng.is_built and not rng.shapes.is_static()
 
 
-def test_out_of_range_is_an_error(flash):
-    model, ct = flash
-    with pytest.raises(ShapeOutOfRangeError, match="batch 3 not in"):
-        ct(**inputs(model, batch=3), return_dict=False)
-
-
-def test_cuda_graphs_capture_the_dynamic_build(flash):
-    model, ct = flash
+def test_weights_modes_differ_where_expected(compiled):
+    model, ct = compiled
     ct(**inputs(model), return_dict=False)
-    assert ct._graphs is not None and ct._graphs.captures >= 1 and not ct._graphs.failures, (
-        ct._graphs.failures
-    )
+    rep = ct.report()
+    if ct.compile_config.weights == "inputs":  # engines hold no weights
+        assert rep["engine_mb"] < 5, rep["engine_mb"]
+    else:
+        assert rep["engine_mb"] > sum(p.numel() for p in model.parameters()) * 2 / 2**20 * 0.5
+
+
+def test_cuda_graphs_capture(compiled):
+    model, ct = compiled
+    ct(**inputs(model), return_dict=False)
+    runners = list(ct._graphs.values())
+    assert runners and all(r.captures >= 1 and not r.failures for r in runners), [r.failures for r in runners]
+
+
+def test_out_of_range_error_or_build():
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, on_shape_miss="error", static=True, **RANGE)
+    with pytest.raises(ShapeOutOfRangeError, match="outside every engine set"):
+        ct(**inputs(model, batch=3), return_dict=False)
+    ct = compile_prx(model, static=True, specialize=[[512, 512, 2]], **RANGE)
+    kw = inputs(model, batch=3)
+    assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
+    assert ct.builds == 1 and ct.backends[-1].shapes.batch == (3, 3)
 
 
 @pytest.mark.parametrize("patchify", ["reshape", "fold"])
-def test_tensorrt_form_is_one_engine(patchify):
+def test_tensorrt_attention_is_one_engine(patchify):
     model = make_prx(SMALL_PRX, patchify=patchify, dtype=torch.bfloat16, device="cuda")
-    ct = compile_prx(model, attention="tensorrt", **RANGE)
+    ct = compile_prx(model, attention="tensorrt", static=True, specialize=[[512, 512, 2]], **RANGE)
     kw = inputs(model)
     out = ct(**kw, return_dict=False)[0]
     assert rel_err(out, eager(model, kw)) < TOL and not out.isnan().any()
@@ -77,7 +100,7 @@ def test_tensorrt_form_is_one_engine(patchify):
 
 def test_fold_patchify_stays_in_the_engines():
     model = make_prx(SMALL_PRX, patchify="fold", dtype=torch.bfloat16, device="cuda")
-    ct = compile_prx(model, **RANGE)
+    ct = compile_prx(model, static=True, specialize=[[512, 512, 2]], **RANGE)
     kw = inputs(model)
     assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
     assert ct.report()["engines"] == SMALL_PRX["depth"] + 1

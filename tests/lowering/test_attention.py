@@ -98,9 +98,6 @@ def test_joint_pattern_becomes_joint_attention(hidden):
     gm, t = run(Joint(), args, "flash")
     assert JOINT_ATTENTION in t and SDPA not in t
     torch.testing.assert_close(gm(*args), Joint()(*args), rtol=1e-5, atol=1e-5)
-    gm, t = run(Joint(), args, "flash", joint_attention=False)
-    assert FLASH_ATTENTION in t and JOINT_ATTENTION not in t
-    torch.testing.assert_close(gm(*args), Joint()(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_unmasked_self_attention_is_left_to_torch_tensorrt():

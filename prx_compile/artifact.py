@@ -1,0 +1,451 @@
+"""The on-disk format: a directory of files listed, with their sizes and sha256, in ``manifest.json``.
+
+It knows files, hashes, JSON and ``BackendState``s (JSON, bytes and tensors), nothing about what a
+backend does with them. ``saving.py`` stores compiled transformers in it, ``cache.py`` engine sets.
+
+Writing: every file goes into a fresh private sibling directory (``tempfile.mkdtemp``, created
+exclusively), then the directory is swapped in. An artifact already at the path stays complete and
+loadable until the new one is; a save that fails removes its directory, and leftovers of a killed
+save are removed by the next save to that path (under a lock file opened without following links).
+
+Reading: only files the manifest lists are read, each by a name of ``[A-Za-z0-9_.-]`` parts opened
+relative to the artifact directory with ``O_NOFOLLOW`` (no symbolic link, no ``..``, no absolute
+path, never outside the directory), and checked against its size and sha256 (per 64 MiB chunk, in
+parallel). Every field read is validated; anything unexpected is an ``ArtifactError`` naming it.
+The hashes catch corruption, not tampering: safety does not rest on them (see README, Security model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ArtifactError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "prx_compile-artifact"
+FORMAT_VERSION = 2
+MANIFEST = "manifest.json"
+CHUNK = 1 << 26
+MAX_MANIFEST_BYTES = 64 << 20
+_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,120}$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_name(rel: Any) -> list[str]:
+    """The parts of a file name inside an artifact; ArtifactError for anything but a/b/c of
+    ``[A-Za-z0-9_.-]`` parts (no ``..``, no absolute path, at most 3 deep)."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not 1 <= len(parts) <= 3 or not all(_PART.match(p) and ".." not in p for p in parts):
+        raise ArtifactError(f"file name {str(rel)[:100]!r} is not allowed in an artifact.")
+    return parts
+
+
+# -- locking -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created 0600, never through a symbolic link)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ArtifactError(
+            f"cannot open the lock file {path} ({e.strerror}).", "remove it if it is a link."
+        ) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# -- writing -----------------------------------------------------------------------------------
+class Writer:
+    """Writes the files of one artifact into a private directory; ``finish`` adds the manifest."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def _path(self, rel: str) -> Path:
+        parts = check_name(rel)
+        if rel in self.files:
+            raise ArtifactError(f"{rel} written twice.")
+        (self.root.joinpath(*parts[:-1])).mkdir(parents=True, exist_ok=True)
+        return self.root.joinpath(*parts)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        path = self._path(rel)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[rel] = _entry(path)
+
+    def write_tensors(
+        self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    ) -> None:
+        """A safetensors file; ``metadata`` goes into its (hashed) header."""
+        from safetensors.torch import save_file
+
+        path = self._path(rel)  # inside our fresh private directory: nothing else can be there
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        save_file(tensors, str(path), metadata=metadata)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        self.files[rel] = _entry(path)
+
+    def finish(self, manifest: dict[str, Any]) -> None:
+        manifest = {**manifest, "files": self.files}
+        self.write_bytes(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        del self.files[MANIFEST]
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": _chunk_hashes(f.fileno())}
+
+
+def _chunk_hashes(fd: int) -> list[str]:
+    """sha256 of every CHUNK bytes of the file, computed in parallel threads."""
+    size = os.fstat(fd).st_size
+    offsets = range(0, max(size, 1), CHUNK)
+
+    def one(offset: int) -> str:
+        h = hashlib.sha256()
+        pos, end = offset, min(offset + CHUNK, size)
+        while pos < end:
+            block = os.pread(fd, min(1 << 24, end - pos), pos)
+            if not block:
+                break
+            h.update(block)
+            pos += len(block)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 2)) as pool:
+        return list(pool.map(one, offsets))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, replace_if: str = FORMAT) -> Iterator[Writer]:
+    """Write an artifact at ``path``: yields a ``Writer`` on a private sibling directory, which
+    replaces ``path`` when the block ends without an error (or is removed, if it raises).
+
+    ``path`` may not exist, be an empty directory, or be an artifact (a directory whose manifest has
+    format ``replace_if``); anything else is an ArtifactError (nothing is overwritten).
+    """
+    path = Path(path)
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with locked(parent / f".{path.name}.lock"):
+        for stale in parent.glob(f".{path.name}.[to][ml][pd]-*"):  # .tmp-* and .old-* of killed saves
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+        _check_replaceable(path, replace_if)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
+        try:
+            yield Writer(tmp)
+            if not (tmp / MANIFEST).is_file():
+                raise ArtifactError("internal error: an artifact was written without a manifest.")
+            old = None
+            if os.path.lexists(path):
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=parent))
+                os.rename(path, old / "previous")
+            os.rename(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            _fsync_dir(parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _check_replaceable(path: Path, fmt: str) -> None:
+    if not os.path.lexists(path):
+        return
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ArtifactError(f"{path} is a symbolic link.", "save to a real directory path.")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ArtifactError(f"{path} exists and is not a directory.", "choose another path.")
+    if not any(path.iterdir()):
+        return
+    try:
+        ok = json.loads((path / MANIFEST).read_text()).get("format") == fmt
+    except (OSError, ValueError, AttributeError, RecursionError):
+        ok = False
+    if not ok:
+        raise ArtifactError(
+            f"{path} exists and is not a prx_compile artifact: it will not be overwritten.",
+            "choose another path, or remove that directory.",
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading -----------------------------------------------------------------------------------
+class Reader:
+    """Read-only access to the files an artifact's manifest lists, confined to its directory."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]):
+        self.root = root
+        self.manifest = manifest
+        self.files: dict[str, dict[str, Any]] = manifest["files"]
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[int]:
+        """A read-only file descriptor of a listed regular file (no link anywhere on the way)."""
+        parts = check_name(rel)
+        entry = self.files.get(rel)
+        if entry is None:
+            raise ArtifactError(f"{self.root}: {rel} is not listed in the manifest.")
+        fds = []
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fds.append(fd)
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if last else os.O_DIRECTORY)
+                fd = os.open(part, flags, dir_fd=fd)
+                fds.append(fd)
+            st = os.fstat(fd)
+        except OSError as e:
+            for f in fds:
+                os.close(f)
+            why = "is a symbolic link" if e.errno in (40, 20) else "is missing or unreadable"
+            raise ArtifactError(f"{self.root}: {rel} {why} ({e.strerror}).") from e
+        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise ArtifactError(f"{self.root}: {rel} is not a regular file.")
+            if st.st_size != entry["bytes"]:
+                raise ArtifactError(
+                    f"{self.root}: {rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
+                    "(truncated or replaced)."
+                )
+            yield fd
+        finally:
+            for f in fds:
+                os.close(f)
+
+    def verify(self) -> None:
+        """Every listed file exists with its size and sha256 (corruption, truncation, replacement)."""
+        for rel, entry in self.files.items():
+            with self.open(rel) as fd:
+                if _chunk_hashes(fd) != entry["sha256"]:
+                    raise ArtifactError(
+                        f"{self.root}: {rel} does not match its sha256 (corrupted or replaced)."
+                    )
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.open(rel) as fd:
+            size = os.fstat(fd).st_size
+            chunks, pos = [], 0
+            while pos < size:
+                block = os.pread(fd, min(1 << 26, size - pos), pos)
+                if not block:
+                    break
+                chunks.append(block)
+                pos += len(block)
+            return b"".join(chunks)
+
+    def read_tensors(
+        self, rel: str, device: torch.device | str = "cpu"
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """(tensors, header metadata) of a safetensors file of the artifact (safetensors holds no
+        code; parse errors are named). The file is read through the descriptor opened above."""
+        from safetensors import SafetensorError, safe_open
+        from safetensors.torch import load, load_file
+
+        try:
+            with self.open(rel) as fd:
+                proc = f"/proc/self/fd/{fd}"  # the very file opened above, memory-mapped
+                if os.path.exists(proc):
+                    with safe_open(proc, framework="pt") as f:
+                        metadata = f.metadata() or {}
+                    tensors = load_file(proc, device=str(device))
+                    if torch.device(device).type == "cpu":  # private memory, not a map of the file
+                        tensors = {k: v.clone() for k, v in tensors.items()}
+                else:  # no /proc: parse the bytes
+                    data = self.read_bytes(rel)
+                    tensors = {k: v.to(device) for k, v in load(data).items()}
+                    metadata = _header_metadata(data)
+        except (SafetensorError, ValueError, OSError, RuntimeError) as e:
+            raise ArtifactError(
+                f"{self.root}: {rel} is not a readable safetensors file ({str(e)[:200]})."
+            ) from e
+        return tensors, metadata
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    return header.get("__metadata__") or {}
+
+
+def open_artifact(path: str | os.PathLike, *, kind: str, verify: bool = True) -> Reader:
+    """A Reader over the artifact at ``path`` (of this ``kind``), its manifest parsed and, with
+    ``verify``, every listed file checked against its size and sha256."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(
+            f"{root} is not a prx_compile artifact: no such directory.",
+            "save one with prx_compile.save_compiled or `prx-compile build`.",
+        )
+    manifest = parse_manifest(_read_manifest_bytes(root), str(root / MANIFEST), kind)
+    reader = Reader(root, manifest)
+    if verify:
+        reader.verify()
+    return reader
+
+
+def _read_manifest_bytes(root: Path) -> bytes:
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError as e:
+            raise ArtifactError(
+                f"{root} is not a prx_compile artifact: {MANIFEST} is missing.",
+                "save one with prx_compile.save_compiled or `prx-compile build`.",
+            ) from e
+        except OSError as e:
+            raise ArtifactError(f"{root}/{MANIFEST} cannot be opened ({e.strerror}; is it a link?).") from e
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError(f"{root}/{MANIFEST} is not a regular file.")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{root}/{MANIFEST} is {st.st_size} bytes: too large for a manifest.")
+        return os.pread(fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
+    """JSON of this format and version, with a valid ``files`` table; other fields are checked by
+    whoever reads them."""
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ArtifactError(f"{where} is not valid JSON (corrupted or replaced): {str(e)[:120]}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{where} is not a {FORMAT} manifest.")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{where} has format version {str(manifest.get('format_version'))[:20]}, this prx_compile "
+            f"reads {FORMAT_VERSION}.",
+            "build the artifact again with this version.",
+        )
+    if manifest.get("kind") != kind:
+        raise ArtifactError(f"{where} is a {str(manifest.get('kind'))[:40]!r}, expected a {kind!r}.")
+    files = field(manifest, "files", dict)
+    if len(files) > 10_000:
+        raise ArtifactError(f"{where}: files lists {len(files)} entries, too many.")
+    for rel, entry in files.items():
+        check_name(rel)
+        if rel == MANIFEST:
+            raise ArtifactError(f"{where}: files may not list the manifest itself.")
+        ok = (
+            isinstance(entry, dict)
+            and set(entry) == {"bytes", "sha256"}
+            and isinstance(entry["bytes"], int)
+            and not isinstance(entry["bytes"], bool)
+            and 0 <= entry["bytes"] < 1 << 44
+            and isinstance(entry["sha256"], list)
+            and len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
+            and all(isinstance(h, str) and _HEX.match(h) for h in entry["sha256"])
+        )
+        if not ok:
+            raise ArtifactError(f"{where}: files[{rel!r}] must be {{bytes, sha256 (one per 64 MiB)}}.")
+    return manifest
+
+
+def field(d: Any, key: str, kind: type | tuple[type, ...], where: str = "manifest") -> Any:
+    """``d[key]`` if it is a ``kind`` (a bool is no int), else an ArtifactError naming ``where.key``."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(d, dict) or key not in d:
+        raise ArtifactError(f"{where}.{key} is missing.")
+    v = d[key]
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise ArtifactError(f"{where}.{key} must be a {names}, got {type(v).__name__}.")
+    return v
+
+
+# -- backend states ----------------------------------------------------------------------------
+_BLOB = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+
+
+def write_state(writer: Writer, prefix: str, state) -> dict[str, Any]:
+    """Write a BackendState's blobs and tensors under ``prefix/``; returns its manifest record."""
+    for name, data in state.blobs.items():
+        if not _BLOB.match(name):
+            raise ArtifactError(f"cannot save a file named {name!r}.")
+        writer.write_bytes(f"{prefix}/{name}", data)
+    if state.tensors:
+        writer.write_tensors(f"{prefix}/tensors.safetensors", state.tensors)
+    return {"meta": state.meta, "blobs": sorted(state.blobs), "tensors": bool(state.tensors)}
+
+
+def read_state(reader: Reader, prefix: str, record: Any, where: str, device: torch.device | str):
+    """The BackendState ``write_state`` recorded (blobs and tensors read from the artifact)."""
+    from .backends import BackendState
+
+    if not isinstance(record, dict) or set(record) != {"meta", "blobs", "tensors"}:
+        raise ArtifactError(f"{where} must have exactly the keys ['blobs', 'meta', 'tensors'].")
+    meta = field(record, "meta", dict, where)
+    blobs = field(record, "blobs", list, where)
+    if not all(isinstance(b, str) and _BLOB.match(b) for b in blobs) or len(blobs) > 10_000:
+        raise ArtifactError(f"{where}.blobs must list file names.")
+    state = BackendState(meta, {b: reader.read_bytes(f"{prefix}/{b}") for b in blobs})
+    if field(record, "tensors", bool, where):
+        state.tensors = reader.read_tensors(f"{prefix}/tensors.safetensors", device)[0]
+    return state
+
+
+# -- facts for manifests -----------------------------------------------------------------------
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def gpu() -> dict[str, Any] | None:
+    if not torch.cuda.is_available():
+        return None
+    return {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
+
+
+def versions(with_tensorrt: bool) -> dict[str, str]:
+    import diffusers
+
+    from . import __version__
+
+    v = {"torch": torch.__version__, "diffusers": diffusers.__version__, "prx_compile": __version__}
+    if with_tensorrt:
+        from .backends import trt_shim
+
+        v.update(trt_shim.versions())
+    return v

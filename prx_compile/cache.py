@@ -1,0 +1,114 @@
+"""The engine cache: built engine sets reused across processes.
+
+An entry is an artifact of kind "cache-entry" (``artifact.py``) holding one backend's state under
+``<engine_cache_dir>/<key>``. The key covers what engines depend on: the model's architecture
+(its config), the engine set's shapes, the engine-affecting settings (``config.ENGINE_KEYS``), the
+library versions and the GPU, and, only with ``weights: engine`` (weights baked into engines), the
+weights themselves. With ``weights: inputs`` a fine-tuned model or a LoRA is a cache hit.
+
+One lock file per key: of several processes asking for the same engines, one builds them and the
+others wait, then load what it stored. An entry that cannot be used is rebuilt, with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import artifact
+from .backends import Backend, backend_class
+from .errors import ArtifactError
+from .export import ShapeRange
+
+logger = logging.getLogger(__name__)
+KIND = "cache-entry"
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (names, dtypes, shapes and bytes), in name order."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_config(model: torch.nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+
+
+def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
+    """What the engines of ``backend`` depend on, hashed."""
+    cfg = backend.config
+    material = {
+        "model": model_config(backend.model),
+        "class": type(backend.model).__name__,
+        "shapes": backend.shapes.to_dict(),
+        "settings": cfg.engine_settings(),
+        "versions": artifact.versions(cfg.backend == "tensorrt"),
+        "gpu": artifact.gpu() if cfg.backend == "tensorrt" else None,
+        "inputs": {k: str(v.dtype) for k, v in sorted(example.items())},
+        "format": artifact.FORMAT_VERSION,
+    }
+    if cfg.weights == "engine" and cfg.backend == "tensorrt":
+        material["weights"] = weights_sha256(backend.model)
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> tuple[Backend, dict[str, Any]]:
+    """A built backend for ``backend``'s model, config and shapes: from the cache, or built here and
+    stored. Returns (backend, {"key", "load_s"}), ``load_s`` None when it was built."""
+    cfg = backend.config
+    root = Path(cfg.engine_cache_dir).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(backend, example)
+    entry = root / key
+    with artifact.locked(root / f".{key}.build.lock"):
+        if entry.exists():
+            t0 = time.perf_counter()
+            try:
+                loaded = load_entry(entry, backend)
+                if not loaded.is_built:  # PyTorch backends keep no graph: they lower again (seconds)
+                    loaded.build(example)
+                load_s = time.perf_counter() - t0
+                logger.info("engine cache hit %s (%.1f s)", key, load_s)
+                return loaded, {"key": key, "load_s": load_s}
+            except ArtifactError as e:
+                logger.warning("engine cache entry %s cannot be used (%s): building again", key, e)
+        backend.build(example)
+        with artifact.writing(entry) as w:
+            record = artifact.write_state(w, "set", backend.state())
+            w.finish(
+                {
+                    "format": artifact.FORMAT,
+                    "format_version": artifact.FORMAT_VERSION,
+                    "kind": KIND,
+                    "created": artifact.now(),
+                    "shapes": backend.shapes.to_dict(),
+                    "set": record,
+                }
+            )
+        return backend, {"key": key, "load_s": None}
+
+
+def load_entry(path: Path, like: Backend) -> Backend:
+    """The backend stored at ``path``, over ``like``'s model and config (ArtifactError if unusable)."""
+    reader = artifact.open_artifact(path, kind=KIND)
+    m = reader.manifest
+    try:
+        shapes = ShapeRange.from_dict(m.get("shapes"))
+    except ValueError as e:
+        raise ArtifactError(f"{path}: {e}") from e
+    if shapes != like.shapes:
+        raise ArtifactError(f"{path}: holds engines for {shapes.describe()}, not {like.shapes.describe()}.")
+    state = artifact.read_state(reader, "set", m.get("set"), "manifest.set", like.config.device)
+    try:
+        return backend_class(like.config).from_state(like.model, like.config, shapes, state)
+    except ValueError as e:
+        raise ArtifactError(f"{path}: {e}") from e

@@ -1,0 +1,406 @@
+"""A compiled step as plain data: calls over named values, and the small interpreter that runs it.
+
+The tensorrt backend keeps what Torch-TensorRT partitioned (engines, and the PyTorch ops left between
+them) as a ``Program``, whether it built the engines or loaded them, so one object runs, saves and
+refits. A Program is JSON: ``Program.from_json`` validates every field, and running one can only call
+one of its own engines or an op of ``OPS``, an explicit table of the exact PyTorch ops our lowering and
+Torch-TensorRT leave between engines. Every op there is functional (no in-place, no ``out=``) and works
+on tensors in memory; none reads or writes a file. No Python code is generated from a Program and no
+name is resolved outside that table.
+
+Values are named ``in:<activation>`` (a forward input), ``w:<parameter FQN>`` (a parameter of the
+transformer, read live at every call), ``c:<name>`` (a constant tensor) or ``v<n>`` (a step's result).
+Arguments are JSON: ``{"ref": value}``, numbers, booleans, null, ``{"list": [...]}``,
+``{"tuple": [...]}``, ``{"float": "inf"|"-inf"|"nan"}`` and ``{"dtype": name}``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .export import ACTIVATIONS
+
+aten = torch.ops.aten
+
+
+def _ops() -> dict[str, Callable]:
+    import prx_compile.ops  # noqa: F401  (registers torch.ops.prx_compile.*)
+
+    prx = torch.ops.prx_compile
+    overloads = [
+        prx.prx_attention.default,
+        prx.joint_attention.default,
+        prx.flash_attention.default,
+        aten.sym_size.int,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.expand.default,
+        aten.alias.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten.cat.default,
+        aten.stack.default,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.neg.default,
+        aten.eq.Scalar,
+        aten.ne.Scalar,
+        aten.logical_not.default,
+        aten.bitwise_not.default,
+        aten.any.dim,
+        aten.where.self,
+    ]
+    table: dict[str, Callable] = {op_name(op): op for op in overloads}
+    for fn in (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv):
+        table[op_name(fn)] = fn
+    return table
+
+
+def op_name(target: Any) -> str:
+    """The table key of an FX call target: ``aten.view.default``, ``operator.getitem``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if getattr(target, "__module__", None) == "_operator":
+        return f"operator.{target.__name__}"
+    return repr(target)
+
+
+OPS: dict[str, Callable] = _ops()
+#: Steps that only route values (not counted as work kept in PyTorch in reports).
+BOOKKEEPING = {"operator.getitem", "aten.sym_size.int"} | {k for k in OPS if k.startswith("operator.")}
+
+_VALUE = re.compile(r"^(in:[a-z_]+|w:[A-Za-z0-9_.]{1,200}|c:[A-Za-z0-9_.]{1,200}|v[0-9]{1,7})$")
+_ENGINE = re.compile(r"^[A-Za-z0-9_]{1,100}$")
+_DTYPES = {
+    str(d).split(".")[-1]: d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
+}
+_MAX_DEPTH = 8
+_MAX_STEPS = 100_000
+
+
+class ProgramError(ValueError):
+    """A Program (or its JSON) is malformed; the message names the step and the field."""
+
+
+@dataclass
+class Step:
+    """One call: ``out = fn(*args, **kwargs)``, fn an engine (op "engine") or ``OPS[op]``."""
+
+    op: str
+    args: list
+    kwargs: dict
+    out: str
+    engine: str | None = None
+
+
+@dataclass
+class Program:
+    """inputs: activation names in order; steps; output: encoded result; segments: how many PyTorch
+    segments Torch-TensorRT made (for reports)."""
+
+    inputs: list[str]
+    steps: list[Step]
+    output: Any
+    segments: int = 0
+
+    # -- running --------------------------------------------------------------------------------
+    def run(
+        self,
+        inputs: Mapping[str, Any],
+        params: Mapping[str, torch.Tensor],
+        engines: Mapping[str, Callable],
+        constants: Mapping[str, torch.Tensor],
+    ) -> Any:
+        """Run the steps: inputs by activation name, params by FQN, constants by name."""
+        env: dict[str, Any] = {}
+
+        def val(a):
+            if isinstance(a, dict):
+                ((kind, v),) = a.items()
+                if kind == "ref":
+                    if v.startswith("v"):
+                        return env[v]
+                    if v.startswith("w:"):
+                        return params[v[2:]]
+                    if v.startswith("in:"):
+                        return inputs[v[3:]]
+                    return constants[v[2:]]
+                if kind == "list":
+                    return [val(x) for x in v]
+                if kind == "tuple":
+                    return tuple(val(x) for x in v)
+                if kind == "float":
+                    return float(v)
+                return _DTYPES[v]
+            return a
+
+        for st in self.steps:
+            fn = engines[st.engine] if st.op == "engine" else OPS[st.op]
+            env[st.out] = fn(*[val(a) for a in st.args], **{k: val(v) for k, v in st.kwargs.items()})
+        return val(self.output)
+
+    # -- facts ----------------------------------------------------------------------------------
+    def refs(self, prefix: str) -> set[str]:
+        """Names this program reads with ``prefix`` ("w:" parameters, "c:" constants, "in:" inputs)."""
+        found: set[str] = set()
+
+        def walk(a):
+            if isinstance(a, dict):
+                ((kind, v),) = a.items()
+                if kind == "ref" and v.startswith(prefix):
+                    found.add(v[len(prefix) :])
+                elif kind in ("list", "tuple"):
+                    for x in v:
+                        walk(x)
+
+        for st in self.steps:
+            for a in [*st.args, *st.kwargs.values()]:
+                walk(a)
+        walk(self.output)
+        return found
+
+    def engine_names(self) -> list[str]:
+        return list(dict.fromkeys(st.engine for st in self.steps if st.op == "engine"))
+
+    def torch_ops(self) -> dict[str, int]:
+        """Ops run by PyTorch between engines (routing steps left out), with counts."""
+        return dict(Counter(st.op for st in self.steps if st.op != "engine" and st.op not in BOOKKEEPING))
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": list(self.inputs),
+            "steps": [
+                {"op": s.op, "engine": s.engine, "args": s.args, "kwargs": s.kwargs, "out": s.out}
+                for s in self.steps
+            ],
+            "output": self.output,
+            "segments": self.segments,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, engines: set[str], params: set[str], constants: set[str]) -> Program:
+        """A validated Program; ProgramError naming the field for anything unexpected.
+
+        engines, params, constants: the names that exist (engine files, the transformer's parameter
+        FQNs, saved constants). Every reference must name one of them or an earlier step's result.
+        """
+        _keys(data, {"inputs", "steps", "output", "segments"}, "program")
+        inputs = data["inputs"]
+        if not isinstance(inputs, list) or not all(isinstance(n, str) and n in ACTIVATIONS for n in inputs):
+            raise ProgramError(f"program.inputs must be a list of {list(ACTIVATIONS)}")
+        if not _int(data["segments"]):
+            raise ProgramError("program.segments must be a non-negative integer")
+        steps_data = data["steps"]
+        if not isinstance(steps_data, list) or len(steps_data) > _MAX_STEPS:
+            raise ProgramError(f"program.steps must be a list of at most {_MAX_STEPS} steps")
+        known = {
+            "in": set(inputs),
+            "w": params,
+            "c": constants,
+        }
+        defined: set[str] = set()
+        steps = []
+        for i, s in enumerate(steps_data):
+            where = f"program.steps[{i}]"
+            _keys(s, {"op", "engine", "args", "kwargs", "out"}, where)
+            op, engine, out = s["op"], s["engine"], s["out"]
+            if op == "engine":
+                if not isinstance(engine, str) or not _ENGINE.match(engine) or engine not in engines:
+                    raise ProgramError(
+                        f"{where}.engine={str(engine)[:80]!r} is not an engine of this artifact"
+                    )
+            elif not isinstance(op, str) or op not in OPS or engine is not None:
+                raise ProgramError(f"{where}.op={str(op)[:80]!r} is not an allowed operator")
+            if not isinstance(s["args"], list) or not isinstance(s["kwargs"], dict):
+                raise ProgramError(f"{where}: args must be a list and kwargs a mapping")
+            if not all(isinstance(k, str) and re.match(r"^[a-z_][a-z0-9_]{0,40}$", k) for k in s["kwargs"]):
+                raise ProgramError(f"{where}.kwargs has a key that is not a keyword name")
+            for a in [*s["args"], *s["kwargs"].values()]:
+                _check_arg(a, known, defined, where, 0)
+            if not isinstance(out, str) or not re.match(r"^v[0-9]{1,7}$", out) or out in defined:
+                raise ProgramError(f"{where}.out={str(out)[:80]!r} must be a new result name v<n>")
+            defined.add(out)
+            steps.append(Step(op, list(s["args"]), dict(s["kwargs"]), out, engine))
+        _check_arg(data["output"], known, defined, "program.output", 0)
+        return cls(list(inputs), steps, data["output"], data["segments"])
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _keys(d: Any, expected: set[str], where: str) -> None:
+    if not isinstance(d, dict) or set(d) != expected:
+        got = sorted(map(str, d))[:10] if isinstance(d, dict) else type(d).__name__
+        raise ProgramError(f"{where} must have exactly the keys {sorted(expected)} (got {got})")
+
+
+def _check_arg(a: Any, known: dict[str, set[str]], defined: set[str], where: str, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise ProgramError(f"{where}: arguments nest deeper than {_MAX_DEPTH}")
+    if a is None or isinstance(a, bool) or isinstance(a, int) and abs(a) < 1 << 62:
+        return
+    if isinstance(a, float) and math.isfinite(a):
+        return
+    if not isinstance(a, dict) or len(a) != 1:
+        raise ProgramError(f"{where}: argument {str(a)[:80]!r} is not an allowed value")
+    ((kind, v),) = a.items()
+    if kind == "ref":
+        if not isinstance(v, str) or not _VALUE.match(v):
+            raise ProgramError(f"{where}: {str(v)[:80]!r} is not a value name")
+        if v.startswith("v"):
+            ok = v in defined
+        else:
+            prefix, name = v.split(":", 1)
+            ok = name in known[prefix]
+        if not ok:
+            raise ProgramError(f"{where}: {v[:80]!r} is not defined before this step")
+    elif kind in ("list", "tuple"):
+        if not isinstance(v, list) or len(v) > 4096:
+            raise ProgramError(f"{where}: {kind} must be a list of at most 4096 values")
+        for x in v:
+            _check_arg(x, known, defined, where, depth + 1)
+    elif kind == "float":
+        if v not in ("inf", "-inf", "nan"):
+            raise ProgramError(f"{where}: float {str(v)[:20]!r} is not inf, -inf or nan")
+    elif kind == "dtype":
+        if v not in _DTYPES:
+            raise ProgramError(f"{where}: dtype {str(v)[:20]!r} is not one of {sorted(_DTYPES)}")
+    else:
+        raise ProgramError(f"{where}: argument kind {str(kind)[:20]!r} is not allowed")
+
+
+# -- from a partitioned FX graph (build time) ---------------------------------------------------
+def from_graph_module(
+    gm: fx.GraphModule,
+    *,
+    engines: set[str],
+    weight_names: list[str] | None,
+    params: Mapping[str, torch.Tensor],
+) -> tuple[Program, dict[str, torch.Tensor]]:
+    """The Program of a partitioned GraphModule, and the constants it needs.
+
+    gm: Torch-TensorRT's output: placeholders (``ACTIVATIONS``, then ``weights_<i>``), engine
+        children (``engines``), PyTorch segments (GraphModule children, inlined here), getitem.
+    weight_names: parameter FQNs in ``weights_<i>`` order (None when weights are baked in).
+    params: the transformer's parameters by FQN: a ``get_attr`` of one of them (same storage)
+        becomes a live ``w:`` reference, any other tensor a constant.
+
+    Raises ProgramError naming the node when an op is not in ``OPS``.
+    """
+    by_storage = {(p.data_ptr(), tuple(p.shape), p.dtype, tuple(p.stride())): n for n, p in params.items()}
+    constants: dict[str, torch.Tensor] = {}
+    steps: list[Step] = []
+    inputs: list[str] = []
+    segments = 0
+
+    def tensor_ref(t: torch.Tensor, hint: str) -> dict:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()))
+        if key in by_storage:
+            return {"ref": "w:" + by_storage[key]}
+        name = re.sub(r"[^A-Za-z0-9_.]", "_", hint)[:150] or "const"
+        while name in constants and constants[name] is not t:
+            name += "_"
+        constants[name] = t
+        return {"ref": "c:" + name}
+
+    def encode(a: Any, env: dict[fx.Node, Any]) -> Any:
+        if isinstance(a, fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return {"list" if isinstance(a, list) else "tuple": [encode(x, env) for x in a]}
+        if isinstance(a, torch.dtype):
+            name = str(a).split(".")[-1]
+            if name not in _DTYPES:
+                raise ProgramError(f"dtype {a} cannot be saved")
+            return {"dtype": name}
+        if isinstance(a, float) and not math.isfinite(a):
+            return {"float": str(a)}
+        if a is None or isinstance(a, (bool, int, float)):
+            return a
+        if isinstance(a, torch.memory_format) and a == torch.contiguous_format:
+            return None  # the default of every op that takes one
+        raise ProgramError(f"argument {a!r} of type {type(a).__name__} is not supported between engines")
+
+    def emit(op: str, args: list, kwargs: dict, engine: str | None = None) -> dict:
+        out = f"v{len(steps)}"
+        steps.append(Step(op, args, kwargs, out, engine))
+        return {"ref": out}
+
+    def walk(graph_module: fx.GraphModule, env: dict[fx.Node, Any], top: bool) -> Any:
+        nonlocal segments
+        for node in graph_module.graph.nodes:
+            if node.op == "placeholder":
+                if not top:
+                    continue  # bound by the caller
+                if node.name in ACTIVATIONS:
+                    inputs.append(node.name)
+                    env[node] = {"ref": "in:" + node.name}
+                elif weight_names is not None and re.match(r"^weights_[0-9]+$", node.name):
+                    env[node] = {"ref": "w:" + weight_names[int(node.name.split("_")[1])]}
+                else:
+                    raise ProgramError(f"unexpected graph input {node.name!r}")
+            elif node.op == "get_attr":
+                env[node] = tensor_ref(_attr(graph_module, node.target), node.target)
+            elif node.op == "call_module":
+                args = [encode(a, env) for a in node.args]
+                if node.target in engines:
+                    env[node] = emit("engine", args, {}, node.target)
+                else:
+                    sub = graph_module.get_submodule(node.target)
+                    if not isinstance(sub, fx.GraphModule):
+                        raise ProgramError(f"child {node.target!r} is neither an engine nor a graph")
+                    segments += 1
+                    holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                    sub_env = dict(zip(holders, args, strict=True))
+                    env[node] = walk(sub, sub_env, top=False)
+            elif node.op == "call_function":
+                name = op_name(node.target)
+                if name not in OPS:
+                    raise ProgramError(
+                        f"{name} (node {node.name}) runs in PyTorch between engines but is not in "
+                        "prx_compile.program.OPS"
+                    )
+                args = [encode(a, env) for a in node.args]
+                kwargs = {k: encode(v, env) for k, v in node.kwargs.items()}
+                env[node] = emit(name, args, kwargs)
+            elif node.op == "output":
+                return encode(node.args[0], env)
+            else:
+                raise ProgramError(f"node kind {node.op} ({node.name}) is not supported")
+        raise ProgramError("graph has no output")
+
+    output = walk(gm, {}, top=True)
+    return Program(inputs, steps, output, segments), constants
+
+
+def _attr(module: torch.nn.Module, qualname: str) -> torch.Tensor:
+    for part in qualname.split("."):
+        module = getattr(module, part)
+    if not isinstance(module, torch.Tensor):
+        raise ProgramError(f"attribute {qualname!r} is not a tensor")
+    return module

@@ -1,0 +1,312 @@
+"""``save_compiled`` / ``load_compiled``: a CompiledTransformer to and from an artifact directory.
+
+    manifest.json                  format, versions, GPU, config, model config, LoRA record, engine sets
+    weights.safetensors            the transformer's weights, once (with a LoRA: the originals)
+    lora.safetensors               the loaded LoRA adapters (if any); they are re-applied on load
+    sets/<i>/<engine>.engine       TensorRT engines of engine set i (small with weights: inputs)
+    sets/<i>/<engine>.rtcache      TensorRT-RTX runtime cache: its JIT-compiled kernels
+    sets/<i>/tensors.safetensors   constants the engine set needs (if any)
+
+Loading builds nothing: the model comes from its validated config and the weights file, the LoRA
+adapters are applied again (the same arithmetic, so the weights are bit-identical to the saved
+module's), and each engine set is recreated from its state (``Backend.from_state``). Nothing is
+unpickled, no code is generated, no file outside the directory is read and nothing is written.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import artifact, lora
+from .artifact import field
+from .backends import backend_class, make_backend
+from .config import CompileConfig
+from .errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError
+from .export import ShapeRange
+from .module import CompiledTransformer
+
+logger = logging.getLogger(__name__)
+KIND = "artifact"
+WEIGHTS = "weights.safetensors"
+LORA = "lora.safetensors"
+MODEL_CLASS = "PRXTransformer2DModel"
+
+
+def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
+    """Write ``module`` to the artifact directory ``path`` (engine sets not built yet are built
+    first). An artifact already at ``path`` is replaced only once the new one is complete; any other
+    existing file or non-empty directory there is an ArtifactError. Returns the path."""
+    if not isinstance(module, CompiledTransformer):
+        raise ArtifactError(f"save_compiled takes a CompiledTransformer, got {type(module).__name__}.")
+    transformer = module.transformer
+    if type(transformer).__name__ != MODEL_CLASS or type(transformer).__module__.split(".")[0] != "diffusers":
+        raise ArtifactError(
+            f"only diffusers' {MODEL_CLASS} can be saved, not {type(transformer).__name__}.",
+        )
+    module.build()
+    cfg = module.compile_config
+    originals, lora_tensors, lora_record = lora.export_state(transformer)
+    weights = {k: originals.get(k, v) for k, v in transformer.state_dict().items()}
+    model_record = {"class": MODEL_CLASS, "config": _model_config(transformer)}
+    with artifact.writing(path) as w:  # what decides the numbers goes into hashed files
+        w.write_tensors(WEIGHTS, weights, {"prx_compile.model": json.dumps(model_record, sort_keys=True)})
+        if lora_record is not None:
+            w.write_tensors(LORA, lora_tensors, {"prx_compile.lora": json.dumps(lora_record, sort_keys=True)})
+        sets = [
+            {"shapes": b.shapes.to_dict(), "state": artifact.write_state(w, f"sets/{i}", b.state())}
+            for i, b in enumerate(module.backends)
+        ]
+        w.finish(
+            {
+                "format": artifact.FORMAT,
+                "format_version": artifact.FORMAT_VERSION,
+                "kind": KIND,
+                "created": artifact.now(),
+                "versions": artifact.versions(cfg.backend == "tensorrt"),
+                "gpu": artifact.gpu(),
+                "config": {**cfg.to_dict(), "engine_cache_dir": None},
+                "model": model_record,
+                "lora": lora_record,
+                "sets": sets,
+            }
+        )
+    return Path(path)
+
+
+def _model_config(model: torch.nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+
+
+def load_compiled(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    rebuild: bool = False,
+    verify: bool = True,
+) -> CompiledTransformer:
+    """Load an artifact written by ``save_compiled``; no engine is built, nothing is unpickled.
+
+    Args:
+        path: the artifact directory.
+        device: where to run (default: the saved config's device).
+        backend: run with this backend instead of the saved one (then the engine sets are built
+            again from the saved weights at first use, as with ``rebuild``).
+        rebuild: ignore the saved engines and compile again from the saved weights at first use
+            (another GPU or TensorRT; or to run nothing but safetensors and JSON from this artifact).
+        verify: check the size and sha256 of every file first (parallel; well under a second for PRX).
+
+    Raises:
+        ArtifactError: a missing, truncated, corrupted or malformed file or field (the message names
+            it); a TensorRT or GPU mismatch (the message says to use ``rebuild=True``).
+    """
+    t0 = time.perf_counter()
+    reader = artifact.open_artifact(path, kind=KIND, verify=verify)
+    m = reader.manifest
+    config = _config(m, device, backend)
+    rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
+    model = _load_model(reader, config)
+    if "lora" not in m:
+        raise ArtifactError("manifest.lora is missing.")
+    if m["lora"] is not None or LORA in reader.files:
+        tensors, meta = reader.read_tensors(LORA, config.device)
+        record = _recorded(meta, "prx_compile.lora", LORA)
+        if record != m["lora"]:
+            raise ArtifactError(f"manifest.lora does not match the record in {LORA}.")
+        try:
+            lora.restore_state(model, record, tensors)
+        except LoRAError as e:
+            raise ArtifactError(f"{path}: the saved LoRA cannot be restored: {e}") from e
+    records = field(m, "sets", list)
+    if len(records) > 256:
+        raise ArtifactError("manifest.sets lists more than 256 engine sets.")
+    shapes = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or set(rec) != {"shapes", "state"}:
+            raise ArtifactError(f"manifest.sets[{i}] must have exactly the keys ['shapes', 'state'].")
+        try:
+            shapes.append(ShapeRange.from_dict(rec["shapes"]))
+        except ValueError as e:
+            raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
+    if rebuild:
+        backends = [make_backend(model, config, s) for s in shapes] or None
+    else:
+        if config.backend == "tensorrt":
+            check_compatible(m)
+        backends = []
+        for i, (rec, s) in enumerate(zip(records, shapes, strict=True)):
+            state = artifact.read_state(
+                reader, f"sets/{i}", rec["state"], f"manifest.sets[{i}].state", config.device
+            )
+            try:
+                backends.append(backend_class(config).from_state(model, config, s, state))
+            except ValueError as e:
+                raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
+    compiled = CompiledTransformer(model, config, backends or None)
+    compiled.load_s = time.perf_counter() - t0
+    logger.info("loaded %s in %.2f s", path, compiled.load_s)
+    return compiled
+
+
+def _config(m: dict[str, Any], device: str | torch.device | None, backend: str | None) -> CompileConfig:
+    data = dict(field(m, "config", dict))
+    data["engine_cache_dir"] = None  # an artifact never chooses where anything is written
+    if device is not None:
+        data["device"] = str(device)
+    if backend is not None:
+        data["backend"] = backend
+    try:
+        return CompileConfig.from_dict(data, source="manifest.config")
+    except ConfigError as e:
+        raise ArtifactError(f"manifest.config: {e}") from e
+    except TypeError as e:  # non-string keys
+        raise ArtifactError(f"manifest.config is malformed ({e}).") from e
+
+
+def _check_value(key: str, v: Any) -> None:
+    if v is None or isinstance(v, bool):
+        return
+    if isinstance(v, int) and 0 <= v <= 1 << 16:
+        return
+    if isinstance(v, float) and math.isfinite(v) and abs(v) <= 1e9:
+        return
+    if (
+        isinstance(v, list)
+        and len(v) <= 16
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 4096 for x in v)
+    ):
+        return
+    raise ArtifactError(f"manifest.model.config.{key}={str(v)[:60]} is not an allowed value.")
+
+
+def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:
+    """The JSON record a safetensors header holds under ``key``."""
+    try:
+        return json.loads(metadata[key])
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise ArtifactError(f"{rel} has no valid {key} record in its header.") from e
+
+
+def _load_model(reader: artifact.Reader, config: CompileConfig) -> torch.nn.Module:
+    """The PRX model from the config recorded in the weights file's header (the manifest holds a
+    copy, which must match), with those weights."""
+    from diffusers import PRXTransformer2DModel
+
+    state, meta = reader.read_tensors(WEIGHTS, config.device)
+    model_rec = _recorded(meta, "prx_compile.model", WEIGHTS)
+    if model_rec != reader.manifest.get("model"):
+        raise ArtifactError(f"manifest.model does not match the record in {WEIGHTS}.")
+    if field(model_rec, "class", str, "manifest.model") != MODEL_CLASS:
+        raise ArtifactError(f"manifest.model.class must be {MODEL_CLASS!r}.")
+    cfg = field(model_rec, "config", dict, "manifest.model")
+    allowed = set(inspect.signature(PRXTransformer2DModel.__init__).parameters) - {"self"}
+    for key, v in cfg.items():
+        if key not in allowed:
+            raise ArtifactError(f"manifest.model.config.{str(key)[:40]} is not a PRX setting.")
+        _check_value(key, v)
+    if cfg.get("depth", 0) > 256:
+        raise ArtifactError("manifest.model.config.depth is larger than 256.")
+    try:
+        with torch.device("meta"):
+            model = PRXTransformer2DModel(**cfg)
+    except Exception as e:  # diffusers' own checks (e.g. heads not dividing the width)
+        raise ArtifactError(f"manifest.model.config does not make a PRX model: {str(e)[:200]}") from e
+    expected = model.state_dict()
+    if set(state) != set(expected):
+        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+        raise ArtifactError(
+            f"{WEIGHTS} does not fit the model config (extra {extra[:3]}, missing {missing[:3]})."
+        )
+    dtypes = {t.dtype for t in state.values()}
+    want = config.torch_dtype()
+    if len(dtypes) != 1 or (want is not None and dtypes != {want}):
+        raise ArtifactError(
+            f"{WEIGHTS} holds {sorted(map(str, dtypes))}, expected one dtype ({config.dtype})."
+        )
+    for k, t in state.items():
+        if t.shape != expected[k].shape:
+            raise ArtifactError(
+                f"{WEIGHTS}: {k} has shape {tuple(t.shape)}, "
+                f"the model config says {tuple(expected[k].shape)}."
+            )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
+
+
+def check_compatible(m: dict[str, Any]) -> None:
+    """Raise ArtifactError if the artifact's engines cannot run here (TensorRT version, GPU)."""
+    saved_versions = field(m, "versions", dict)
+    try:
+        here = artifact.versions(True)
+    except BackendUnavailableError as e:
+        raise ArtifactError(
+            f"the artifact holds TensorRT engines but they cannot run here: {e}",
+            "load it on a GPU with Torch-TensorRT, or with backend='eager', device='cpu' "
+            "(the engine sets are then rebuilt).",
+        ) from e
+    for key in ("tensorrt", "tensorrt_package"):
+        if saved_versions.get(key) != here.get(key):
+            raise ArtifactError(
+                f"the engines were built with {key} {str(saved_versions.get(key))[:40]}, this machine has "
+                f"{here.get(key)}.",
+                "load with rebuild=True to rebuild from the saved weights.",
+            )
+    gpu = artifact.gpu()
+    saved = m.get("gpu")
+    if gpu is None:
+        raise ArtifactError(
+            "the artifact holds TensorRT engines but this machine has no CUDA GPU.",
+            "load it on a GPU, or with backend='eager', device='cpu' (the engine sets are then rebuilt).",
+        )
+    if not isinstance(saved, dict) or saved.get("capability") != gpu["capability"]:
+        cap = saved.get("capability") if isinstance(saved, dict) else None
+        raise ArtifactError(
+            f"the engines were built for compute capability {str(cap)[:20]}, this GPU is {gpu['capability']} "
+            f"({gpu['name']}).",
+            "load with rebuild=True to rebuild from the saved weights.",
+        )
+
+
+def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
+    """A summary of an artifact: versions, GPU, config, model, engine sets, LoRA, files. With
+    ``verify``, every file is checked first (a damaged artifact raises ArtifactError)."""
+    reader = artifact.open_artifact(path, kind=KIND, verify=verify)
+    m = reader.manifest
+    cfg = field(m, "config", dict)
+    sets = []
+    for rec in field(m, "sets", list):
+        state = rec.get("state", {}) if isinstance(rec, dict) else {}
+        meta = state.get("meta", {}) if isinstance(state, dict) else {}
+        try:
+            desc = ShapeRange.from_dict(rec.get("shapes")).describe()
+        except (ValueError, AttributeError):
+            desc = "?"
+        engines = meta.get("engines", {}) if isinstance(meta, dict) else {}
+        sets.append({"shapes": desc, "engines": len(engines) if isinstance(engines, dict) else "?"})
+    files = m["files"]
+    return {
+        "path": str(path),
+        "format_version": m["format_version"],
+        "created": m.get("created"),
+        "versions": m.get("versions"),
+        "gpu": m.get("gpu"),
+        "backend": cfg.get("backend"),
+        "attention": cfg.get("attention"),
+        "weights": cfg.get("weights"),
+        "dtype": cfg.get("dtype"),
+        "model": (m.get("model") or {}).get("class"),
+        "engine_sets": sets,
+        "lora": m.get("lora"),
+        "files": len(files),
+        "bytes": sum(e["bytes"] for e in files.values()),
+        "verified": verify,
+    }

@@ -1,0 +1,530 @@
+"""Artifacts: round trips (LoRA included), damaged and hostile files, atomic saves, and an engine cache
+shared by real processes. Loading is attacked through every manifest field and the files themselves;
+it must either load the same weights or raise ArtifactError, and never read or write outside."""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from prx_compile import ArtifactError, compile_prx, inspect_artifact, load_compiled, save_compiled
+from prx_compile.artifact import CHUNK, FORMAT_VERSION, MANIFEST, _chunk_hashes
+from prx_compile.lora import load_lora, make_random_lora, summary, unload_lora
+from prx_compile.saving import LORA, WEIGHTS, check_compatible
+from prx_compile.testing import make_prx
+
+from .conftest import prx_inputs
+
+RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1, static=True)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def manifest(path):
+    return json.loads((path / MANIFEST).read_text())
+
+
+def write_manifest(path, m):
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+def rehash(path, rel):
+    """Rewrite the manifest's size and hashes of ``rel``, as a tamperer could."""
+    m = manifest(path)
+    with open(path / rel, "rb") as f:
+        m["files"][rel] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": _chunk_hashes(f.fileno())}
+    write_manifest(path, m)
+
+
+def retag(path, rel, key, record):
+    """Put ``record`` in both the safetensors header of ``rel`` and the manifest, as a tamperer could."""
+    save_file(load_file(str(path / rel)), str(path / rel), metadata={key: json.dumps(record)})
+    rehash(path, rel)
+    m = manifest(path)
+    m[key.split(".")[1]] = record
+    write_manifest(path, m)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An eager artifact of a tiny PRX with a LoRA active, and what it computes."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", specialize=[[16, 16, 2]], **RANGE)
+    kw = prx_inputs(model, h=16, w=16, text=16)
+    base = ct(**kw, return_dict=False)[0]
+    load_lora(ct, make_random_lora(model, 4, std=0.1), "a", 0.7)
+    out = ct(**kw, return_dict=False)[0]
+    path = save_compiled(ct, tmp_path_factory.mktemp("saved") / "art")
+    return path, kw, base, out, model
+
+
+@pytest.fixture
+def artifact(saved, tmp_path):
+    """A fresh copy of the saved artifact to damage."""
+    dst = tmp_path / "art"
+    shutil.copytree(saved[0], dst)
+    return dst
+
+
+def test_roundtrip_holds_the_weights_once_and_the_lora(saved):
+    path, kw, base, out, model = saved
+    m = manifest(path)
+    assert m["format_version"] == FORMAT_VERSION and m["kind"] == "artifact"
+    assert m["config"]["backend"] == "eager" and m["config"]["engine_cache_dir"] is None
+    assert m["model"]["class"] == "PRXTransformer2DModel" and m["model"]["config"]["hidden_size"] == 64
+    assert set(m["files"]) == {WEIGHTS, LORA}
+    assert m["lora"]["active"] == {"a": 0.7}
+    loaded = load_compiled(path)
+    assert torch.equal(loaded(**kw, return_dict=False)[0], out)
+    assert {k: v for k, v in dict(loaded.config).items() if not k.startswith("_")} == m["model"]["config"]
+    assert summary(loaded)["active"] == {"a": 0.7}
+    for k, v in model.state_dict().items():  # the fused weights come back bit for bit
+        assert torch.equal(loaded.transformer.state_dict()[k], v), k
+    unload_lora(loaded)  # exact after a reload: the originals were saved, not the fused weights
+    assert torch.equal(loaded(**kw, return_dict=False)[0], base)
+    load_lora(loaded, make_random_lora(model, 4, std=0.1), "b")
+    unload_lora(loaded)
+    assert torch.equal(loaded(**kw, return_dict=False)[0], base)
+
+
+def test_loaded_weights_are_not_a_map_of_the_file(artifact):
+    loaded = load_compiled(artifact)
+    before = {k: v.clone() for k, v in loaded.transformer.state_dict().items()}
+    data = (artifact / WEIGHTS).read_bytes()
+    (artifact / WEIGHTS).write_bytes(data[:-4096] + bytes(4096))  # the file changes under the module
+    after = loaded.transformer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_inspect_summarises_and_verifies(artifact):
+    info = inspect_artifact(artifact)
+    assert info["backend"] == "eager" and info["lora"]["active"] == {"a": 0.7} and info["verified"]
+    assert info["engine_sets"] == [{"shapes": "batch 2, latent 16x16, text 16 tokens", "engines": 0}]
+    (artifact / WEIGHTS).unlink()
+    with pytest.raises(ArtifactError, match="weights.safetensors is missing"):
+        inspect_artifact(artifact)
+
+
+def flip_byte(p: Path):
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def symlink_weights_outside(p: Path):
+    outside = p.parent / "outside.safetensors"
+    (p / WEIGHTS).rename(outside)
+    (p / WEIGHTS).symlink_to(outside)
+
+
+def symlink_manifest(p: Path):
+    (p / MANIFEST).rename(p.parent / "m.json")
+    (p / MANIFEST).symlink_to(p.parent / "m.json")
+
+
+def list_outside_file(rel):
+    def damage(p: Path):
+        m = manifest(p)
+        m["files"][rel] = {"bytes": 1, "sha256": ["0" * 64]}
+        write_manifest(p, m)
+
+    return damage
+
+
+def symlinked_dir(p: Path):
+    (p.parent / "elsewhere").mkdir()
+    (p.parent / "elsewhere" / "x.engine").write_bytes(b"x")
+    (p / "sets").symlink_to(p.parent / "elsewhere")
+    list_outside_file("sets/x.engine")(p)
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda p: flip_byte(p / WEIGHTS), "does not match its sha256"),
+        (lambda p: (p / WEIGHTS).write_bytes((p / WEIGHTS).read_bytes()[:100]), "truncated or replaced"),
+        (lambda p: (p / WEIGHTS).unlink(), "weights.safetensors is missing"),
+        (lambda p: (p / MANIFEST).write_text("{not json"), "not valid JSON"),
+        (lambda p: (p / MANIFEST).write_text("[" * 100000 + "]" * 100000), "not valid JSON"),
+        (lambda p: (p / MANIFEST).unlink(), "manifest.json is missing"),
+        (lambda p: write_manifest(p, {**manifest(p), "format_version": 99}), "format version 99"),
+        (symlink_weights_outside, "weights.safetensors is a symbolic link"),
+        (symlink_manifest, "is it a link"),
+        (list_outside_file("../outside"), "not allowed in an artifact"),
+        (list_outside_file("/etc/passwd"), "not allowed in an artifact"),
+        (symlinked_dir, "sets/x.engine is a symbolic link"),
+        (lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}), "config is missing"),
+        (lambda p: write_manifest(p, {**manifest(p), "config": []}), "config must be a dict"),
+        (lambda p: write_manifest(p, {**manifest(p), "sets": {}}), "sets must be a list"),
+        (lambda p: write_manifest(p, {**manifest(p), "lora": None}), "manifest.lora does not match"),
+        (lambda p: write_manifest(p, {**manifest(p), "model": {}}), "manifest.model does not match"),
+    ],
+)
+def test_damaged_artifacts_give_clear_errors(artifact, damage, match):
+    damage(artifact)
+    with pytest.raises(ArtifactError, match=match):
+        load_compiled(artifact)
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PRX_PWNED']}",))
+
+
+@pytest.mark.parametrize("target", [WEIGHTS, LORA, MANIFEST])
+@pytest.mark.parametrize("verify", [True, False])
+def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypatch, target, verify):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("PRX_PWNED", str(marker))
+    (artifact / target).write_bytes(pickle.dumps(Payload()))
+    if target != MANIFEST:  # a tamperer also rewrites the manifest's hash
+        rehash(artifact, target)
+    with pytest.raises(ArtifactError):
+        load_compiled(artifact, verify=verify)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "key,record,match",
+    [
+        ("prx_compile.model", {"class": "os.system", "config": {}}, "model.class"),
+        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"depth": 10**9}}, "depth"),
+        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"hidden_size": 65}}, "PRX model"),
+        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"__class__": 1}}, "not a PRX setting"),
+        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"theta": "1e4"}}, "not an allowed value"),
+        ("prx_compile.lora", {"adapters": {"../x": {"source": "", "layers": {}}}, "active": {}}, "cannot be restored"),
+        ("prx_compile.lora", {"adapters": {}, "active": {"a": 1.0}}, "cannot be restored"),
+        ("prx_compile.lora", {"adapters": {"a": {"source": "", "layers": {"x": 1.0}}}, "active": {}}, "unknown"),
+        ("prx_compile.lora", {"adapters": {}, "active": {}, "extra": 1}, "cannot be restored"),
+    ],
+)
+def test_hostile_records_in_hashed_files_are_artifact_errors(artifact, key, record, match):
+    retag(artifact, WEIGHTS if key.endswith("model") else LORA, key, record)
+    with pytest.raises(ArtifactError, match=match):
+        load_compiled(artifact)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ({"backend": "eager", "device": "cpu; rm -rf /"}, "device"),
+        ({"backend": "__import__('os').system('x')"}, "backend"),
+        ({"batch": [True, 2]}, "batch"),
+        ({"dtype": "bf16"}, "expected one dtype"),
+        ({"weights": "exec"}, "weights"),
+    ],
+)
+def test_hostile_config_values_are_artifact_errors(artifact, value, match):
+    m = manifest(artifact)
+    m["config"] = {**m["config"], **value}
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match=match):
+        load_compiled(artifact)
+
+
+def test_hostile_engine_set_records_are_artifact_errors(artifact):
+    for sets, match in (
+        ([{"shapes": {"batch": [1, "2"]}, "state": {}}], r"sets\[0\]"),
+        ([{"shapes": None, "state": {}}], r"sets\[0\]"),
+        ([{"shapes": manifest(artifact)["sets"][0]["shapes"], "state": {"meta": {"kind": "torch", "x": 1},
+                                                                       "blobs": [], "tensors": False}}],
+         r"sets\[0\]: a torch backend state"),
+        ([{"shapes": manifest(artifact)["sets"][0]["shapes"], "state": {"meta": {"kind": "torch"},
+                                                                       "blobs": ["../../x"], "tensors": False}}],
+         "blobs must list file names"),
+    ):
+        write_manifest(artifact, {**manifest(artifact), "sets": sets})
+        with pytest.raises(ArtifactError, match=match):
+            load_compiled(artifact)
+
+
+def test_engines_of_another_backend_are_refused(artifact):
+    """The loader follows the config's backend only: a TensorRT state under an eager config is refused."""
+    m = manifest(artifact)
+    m["sets"][0]["state"]["meta"] = {
+        "kind": "tensorrt", "weights": "inputs", "program": {}, "engines": {}, "provenance": {}
+    }
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match=r"sets\[0\]: a torch backend state"):
+        load_compiled(artifact)
+
+
+def test_the_manifest_cannot_choose_where_anything_is_written(artifact, tmp_path):
+    m = manifest(artifact)
+    m["config"]["engine_cache_dir"] = str(tmp_path / "chosen-by-the-manifest")
+    write_manifest(artifact, m)
+    loaded = load_compiled(artifact)
+    assert loaded.compile_config.engine_cache_dir is None
+    loaded(**prx_inputs(loaded.transformer, h=16, w=16, text=16), return_dict=False)
+    assert not (tmp_path / "chosen-by-the-manifest").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the version check needs Torch-TensorRT")
+def test_engine_and_gpu_mismatch_are_named():
+    m = {"versions": {"tensorrt": "0.0.1", "tensorrt_package": "tensorrt"}, "gpu": {"name": "X", "capability": [1, 0]}}
+    with pytest.raises(ArtifactError, match="built with tensorrt 0.0.1.*rebuild=True"):
+        check_compatible(m)
+
+
+def test_tensorrt_artifact_on_a_cpu_machine_says_what_to_do(artifact):
+    m = manifest(artifact)
+    m["config"]["backend"] = "tensorrt"
+    write_manifest(artifact, m)
+    if not torch.cuda.is_available():
+        with pytest.raises(ArtifactError, match="cannot run here.*CUDA GPU.*backend='eager', device='cpu'"):
+            load_compiled(artifact)
+    loaded = load_compiled(artifact, backend="eager", device="cpu")  # rebuilds from the weights
+    assert loaded.compile_config.backend == "eager" and not loaded.backends[0].is_built
+
+
+def test_rebuild_from_saved_weights(saved):
+    path, kw, _, out, _ = saved
+    loaded = load_compiled(path, rebuild=True)
+    assert not loaded.is_built
+    assert torch.equal(loaded(**kw, return_dict=False)[0], out)
+
+
+# -- saving ------------------------------------------------------------------------------------
+def test_a_failed_save_keeps_the_previous_artifact(artifact, monkeypatch):
+    import prx_compile.artifact as a
+
+    old = manifest(artifact)
+    model = make_prx(seed=5)
+    ct = compile_prx(model, backend="eager", specialize=[[16, 16, 2]], **RANGE)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(a.os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_compiled(ct, artifact)
+    monkeypatch.undo()
+    assert manifest(artifact) == old
+    load_compiled(artifact)  # still complete and loadable
+    assert not [p for p in artifact.parent.iterdir() if ".tmp-" in p.name]
+    save_compiled(ct, artifact)  # replaces it
+    assert manifest(artifact)["lora"] is None
+
+
+def test_leftovers_of_a_killed_save_are_removed_by_the_next(artifact):
+    leftover = artifact.parent / ".art.tmp-killed"
+    leftover.mkdir()
+    (leftover / WEIGHTS).write_bytes(b"x" * 1000)
+    save_compiled(load_compiled(artifact), artifact)
+    assert not leftover.exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "symlink"])
+def test_save_never_overwrites_what_is_not_an_artifact(tmp_path, saved, kind):
+    ct = load_compiled(saved[0])
+    target = tmp_path / "target"
+    if kind == "file":
+        target.write_text("precious")
+    elif kind == "dir":
+        target.mkdir()
+        (target / "notes.txt").write_text("precious")
+    else:
+        (tmp_path / "real").mkdir()
+        target.symlink_to(tmp_path / "real")
+    with pytest.raises(ArtifactError, match="not a prx_compile artifact|symbolic link|not a directory"):
+        save_compiled(ct, target)
+    if kind == "dir":
+        assert (target / "notes.txt").read_text() == "precious"
+
+
+def test_a_symlinked_lock_file_is_refused(tmp_path, saved):
+    ct = load_compiled(saved[0])
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / ".art.lock").symlink_to(victim)
+    with pytest.raises(ArtifactError, match="lock file"):
+        save_compiled(ct, tmp_path / "art")
+    assert victim.read_text() == "keep"
+
+
+def test_files_are_hashed_per_chunk(artifact):
+    for entry in manifest(artifact)["files"].values():
+        assert len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
+
+
+# -- the loader reads and writes nothing outside the artifact -----------------------------------------
+class FileAudit:
+    """Records file events while active (an audit hook cannot be removed, so it is switched)."""
+
+    events: list = []
+    active = False
+
+    @classmethod
+    def hook(cls, event, args):
+        if cls.active and event in ("open", "os.rename", "os.remove", "os.mkdir", "os.rmdir", "shutil.rmtree"):
+            cls.events.append((event, args))
+
+
+sys.addaudithook(FileAudit.hook)
+
+
+def outside_access(root: Path) -> list:
+    bad = []
+    for event, args in FileAudit.events:
+        if event != "open":
+            bad.append((event, args))
+            continue
+        path, mode, flags = args
+        if isinstance(path, int) or path is None:
+            continue
+        path = str(path)
+        writes = (mode and any(c in str(mode) for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
+        inside = not os.path.isabs(path) or path.startswith(str(root)) or path.startswith("/proc/self/fd/")
+        if writes or not inside:
+            bad.append((event, args))
+    return bad
+
+
+def test_loading_touches_nothing_outside(artifact):
+    load_compiled(artifact)  # warm: lazy imports happen here
+    FileAudit.events, FileAudit.active = [], True
+    try:
+        load_compiled(artifact)
+    finally:
+        FileAudit.active = False
+    assert FileAudit.events and not outside_access(artifact), outside_access(artifact)
+
+
+# -- every malformed field: the same weights, or ArtifactError (property test) -----------------------
+JSON_VALUES = [
+    None, True, False, 0, -1, 1, 2**63, 1e308, float("nan"), "", "x", "../../etc/passwd", "/etc/passwd",
+    "__import__('os').system('touch pwned')", [], [1, 2], {}, {"a": 1}, [[1024, 1024, 2]],
+]
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, (*prefix, i))
+
+
+def _mutate(obj, path, op, value):
+    parent = obj
+    for key in path[:-1]:
+        parent = parent[key]
+    if op == "delete":
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return obj
+
+
+def test_every_malformed_field_is_an_artifact_error(saved, tmp_path):
+    """Deletes or retypes manifest fields (and damages the weights file): loading either gives the
+    saved weights and LoRA state, bit for bit, or raises ArtifactError; nothing else is opened."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    original = manifest(saved[0])
+    paths = [p for p in _paths(original) if p]
+    want = {k: v.clone() for k, v in saved[4].state_dict().items()}
+    root = tmp_path / "art"
+    shutil.copytree(saved[0], root)
+    weights = (root / WEIGHTS).read_bytes()
+
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.sampled_from(paths),
+        st.sampled_from(["delete", "replace"]),
+        st.sampled_from(JSON_VALUES) | st.text(max_size=20) | st.integers(),
+        st.sampled_from([None, "flip", "truncate", "empty"]),
+    )
+    def check(path, op, value, file_damage):
+        (root / MANIFEST).write_text(json.dumps(_mutate(json.loads(json.dumps(original)), path, op, value)))
+        if file_damage == "flip":
+            flip_byte(root / WEIGHTS)
+        elif file_damage == "truncate":
+            (root / WEIGHTS).write_bytes(weights[: len(weights) // 3])
+        elif file_damage == "empty":
+            (root / WEIGHTS).write_bytes(b"")
+        FileAudit.events, FileAudit.active = [], True
+        try:
+            loaded = load_compiled(root)
+        except ArtifactError:
+            loaded = None
+        finally:
+            FileAudit.active = False
+            (root / WEIGHTS).write_bytes(weights)
+        assert not outside_access(root), outside_access(root)
+        if loaded is not None:
+            state = loaded.transformer.state_dict()
+            bad = [k for k in want if not torch.equal(state[k], want[k])]
+            assert state.keys() == want.keys() and not bad, bad[:3]
+            assert summary(loaded)["active"] == {"a": 0.7}
+
+    check()
+
+
+# -- two processes -----------------------------------------------------------------------------
+WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from prx_compile import compile_prx, save_compiled
+    from prx_compile.testing import make_prx
+    from prx_compile.export import example_inputs
+    mode, path = sys.argv[1], sys.argv[2]
+    model = make_prx()
+    rng = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1,
+               static=True, specialize=[[16, 16, 2]])
+    kw = example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5)
+    if mode == "save":
+        ct = compile_prx(model, backend="eager", **rng)
+        ct(**kw, return_dict=False)
+        save_compiled(ct, path)
+        print(json.dumps({"ok": True}))
+    else:
+        ct = compile_prx(model, backend="eager", engine_cache_dir=path, **rng)
+        out = ct(**kw, return_dict=False)[0]
+        print(json.dumps({"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum())}))
+""")
+
+
+def _spawn(mode, path, n=2):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, mode, str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(n)
+    ]
+    outs = []
+    for p in procs:
+        so, se = p.communicate(timeout=300)
+        assert p.returncode == 0, se[-2000:]
+        outs.append(json.loads(so.strip().splitlines()[-1]))
+    return outs
+
+
+def test_concurrent_writers_leave_a_valid_artifact(tmp_path):
+    _spawn("save", tmp_path / "art")
+    load_compiled(tmp_path / "art")  # verifies every hash
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["art"]
+
+
+def test_engine_cache_shared_by_two_processes(tmp_path):
+    results = _spawn("cache", tmp_path / "cache")
+    assert sorted(r["hit"] for r in results) == [False, True]  # built once, loaded once
+    assert results[0]["sum"] == results[1]["sum"]
+    entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(entries) == 1 and (entries[0] / MANIFEST).is_file()
