@@ -5,11 +5,10 @@
 The public API is this module's ``__all__``.
 """
 
-__version__ = "0.2.0"
-
-from . import ops  # noqa: F401, E402  (registers torch.ops.prx_compile.*)
-from .config import CompileConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from . import ops  # noqa: F401  (registers torch.ops.prx_compile.*)
+from ._version import __version__
+from .config import CompileConfig
+from .errors import (
     ArtifactError,
     BackendUnavailableError,
     ConfigError,
@@ -17,11 +16,12 @@ from .errors import (  # noqa: E402
     PRXCompileError,
     ShapeOutOfRangeError,
 )
-from .lora import load_lora, set_lora, unload_lora  # noqa: E402
-from .module import CompiledTransformer, compile_prx  # noqa: E402
-from .saving import inspect_artifact, load_compiled, save_compiled  # noqa: E402
+from .lora import load_lora, set_lora, unload_lora
+from .module import CompiledTransformer, compile_prx
+from .saving import inspect_artifact, load_compiled, save_compiled
 
 __all__ = [
+    "__version__",
     "compile_prx",
     "CompiledTransformer",
     "CompileConfig",

@@ -176,6 +176,11 @@ def writing(path: str | os.PathLike, replace_if: str = FORMAT) -> Iterator[Write
             raise
 
 
+def check_target(path: Path, fmt: str = FORMAT) -> None:
+    """ArtifactError unless ``path`` is free, an empty directory or an artifact (``writing`` replaces)."""
+    _check_replaceable(path, fmt)
+
+
 def _check_replaceable(path: Path, fmt: str) -> None:
     if not os.path.lexists(path):
         return
@@ -441,7 +446,7 @@ def gpu() -> dict[str, Any] | None:
 def versions(with_tensorrt: bool) -> dict[str, str]:
     import diffusers
 
-    from . import __version__
+    from ._version import __version__
 
     v = {"torch": torch.__version__, "diffusers": diffusers.__version__, "prx_compile": __version__}
     if with_tensorrt:

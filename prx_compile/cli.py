@@ -1,7 +1,9 @@
-"""The ``prx-compile`` command: demo, build, generate, bench, inspect.
+"""The ``prx-compile`` command (also ``python -m prx_compile``): demo, build, generate, bench, inspect.
 
-Every subcommand has ``--help``. Long steps show progress bars unless ``--quiet``. Errors print one
-line with a hint and exit non-zero; ``--debug`` shows the traceback instead.
+Every subcommand has ``--help`` with defaults. Long steps report progress on stderr unless ``--quiet``
+(bars in a terminal, one line per finished step in a log). A user error prints one line with a hint
+and exits with 2; anything unexpected prints one line and exits with 1; ``--debug`` shows the
+traceback instead. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -9,14 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
+import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
+from ._version import __version__
 from .errors import PRXCompileError
 
 EXIT_USAGE, EXIT_ERROR = 2, 1
+DTYPES = ("bf16", "fp16", "fp32")
+#: The tiny demo model's engine set: its VAE is 1x, so latents are pixels; 16 text tokens.
+TINY = dict(
+    batch=[1, 2],
+    text_len=[1, 16],
+    resolution=32,
+    aspect_bins=[],
+    vae_scale_factor=1,
+    specialize=[[32, 32, 2]],
+)
 
 
 class CLIError(PRXCompileError):
@@ -24,129 +40,178 @@ class CLIError(PRXCompileError):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _dtype(name: str):
+def _cuda() -> bool:
     import torch
 
+    return torch.cuda.is_available()
+
+
+def _device() -> str:
+    return "cuda" if _cuda() else "cpu"
+
+
+def _backend(args) -> str:
+    """--backend, else tensorrt on a GPU, eager otherwise (as the help says)."""
+    return args.backend or ("tensorrt" if _cuda() else "eager")
+
+
+def _torch_dtype(args, config=None):
+    """--dtype, else the config's dtype, else bf16 on a GPU and fp32 on a CPU."""
+    import torch
+
+    name = getattr(args, "dtype", None) or (config.dtype if config is not None else None)
+    name = name or ("bf16" if _cuda() else "fp32")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _load_pipeline(args):
-    """(pipeline, height, width) from --checkpoint DIR or --tiny; nothing is downloaded."""
-    import torch
+def _config(args, backend: str):
+    """The CompileConfig of --config (or the tiny model's defaults) with --backend and the device."""
+    from .config import CompileConfig
 
-    if args.checkpoint:
-        ckpt = Path(args.checkpoint)
-        if not (ckpt / "model_index.json").is_file():
-            raise CLIError(
-                f"{ckpt} is not a diffusers PRX checkpoint folder: model_index.json is missing.",
-                "pass the folder that holds model_index.json, transformer/, text_encoder/, ...; "
-                "or --tiny for the built-in random demo model.",
-            )
-        from diffusers import PRXPipeline
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        pipe = PRXPipeline.from_pretrained(str(ckpt), torch_dtype=_dtype(args.dtype), local_files_only=True)
-        return pipe.to(device), args.height or 1024, args.width or 1024
-    from .testing import tiny_pipeline
-
-    return tiny_pipeline(), args.height or 32, args.width or 32
+    overrides = {"backend": backend, "device": _device() if backend == "tensorrt" else "cpu"}
+    if backend != "tensorrt" and _cuda():
+        overrides["device"] = "cuda"
+    if getattr(args, "attention", None):
+        overrides["attention"] = args.attention
+    if getattr(args, "weights", None):
+        overrides["weights"] = args.weights
+    tiny = not getattr(args, "checkpoint", None) and not getattr(args, "random_full", False)
+    base = args.config if args.config is not None else (TINY if tiny else None)
+    return CompileConfig.resolve(base, **overrides)
 
 
-def _model_for_build(args):
-    import torch
-
-    from .testing import FULL_PRX, make_prx
-
+def _transformer(args, config):
+    """The transformer to compile: --checkpoint's, the 1.17 B random PRX, or the tiny one."""
+    dtype = _torch_dtype(args, config)
     if args.checkpoint:
         from diffusers import PRXTransformer2DModel
 
         sub = Path(args.checkpoint) / "transformer"
         if not (sub / "config.json").is_file():
             raise CLIError(
-                f"{sub} has no config.json: not a diffusers PRX checkpoint folder.",
+                f"{sub} has no config.json: not a diffusers PRX folder.",
                 "pass the folder that holds transformer/config.json, or --tiny.",
             )
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return PRXTransformer2DModel.from_pretrained(
-            str(sub), torch_dtype=_dtype(args.dtype), local_files_only=True
-        ).to(device)
-    device = "cuda" if torch.cuda.is_available() and args.backend == "tensorrt" else "cpu"
-    dtype = _dtype(args.dtype) if device == "cuda" else __import__("torch").float32
-    return make_prx(FULL_PRX if args.random_full else None, dtype=dtype, device=device)
+        model = PRXTransformer2DModel.from_pretrained(
+            str(sub), torch_dtype=dtype, local_files_only=True, use_safetensors=True
+        )
+        return model.to(config.device)
+    from .testing import FULL_PRX, make_prx
+
+    return make_prx(
+        FULL_PRX if getattr(args, "random_full", False) else None, dtype=dtype, device=config.device
+    )
 
 
-def _compile_kwargs(args) -> dict:
-    kw = {}
-    if args.backend:
-        kw["backend"] = args.backend
-    if getattr(args, "attention", None):
-        kw["attention"] = args.attention
-    return kw
+def _pipeline(args, config, dtype):
+    """A PRXPipeline in ``dtype`` from --checkpoint, or the tiny random one."""
+    if args.checkpoint:
+        from .pipeline import load_pipeline
+
+        pipe = load_pipeline(args.checkpoint, torch_dtype=dtype)
+    else:
+        from .testing import tiny_pipeline
+
+        pipe = tiny_pipeline().to(dtype=dtype)
+    pipe.to(config.device)
+    return pipe
+
+
+def _summary_line(ct) -> str:
+    rep = ct.report()
+    sets = len(ct.backends)
+    return (
+        f"backend {rep['backend']}, attention {rep['attention']}, weights {rep['weights']}, "
+        f"{sets} engine set(s), {rep['engines']} engine(s) and {rep['torch_segments']} PyTorch segment(s) "
+        f"per set, kept in PyTorch {rep['torch_ops'] or '{}'}"
+    )
 
 
 # -- subcommands -------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    """Tiny non-degenerate PRX: export, lower, run; print what was rewritten and the error vs eager."""
+    """Tiny non-degenerate PRX: what the pipeline rewrites, the error against eager, warm timings."""
     import torch
 
     from . import compile_prx
-    from .bench import max_abs_err, rel_err
+    from .bench import max_abs_err, rel_err, time_cuda
     from .export import example_inputs, export_prx
-    from .lowering import lower
     from .testing import TINY_PRX, make_prx
 
-    backend = args.backend or ("tensorrt" if torch.cuda.is_available() else "eager")
-    model = make_prx(patchify=args.patchify, device="cuda" if backend == "tensorrt" else "cpu")
+    backend = _backend(args)
+    device = _device() if backend == "tensorrt" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = make_prx(patchify=args.patchify, device=device, dtype=dtype)
     cfg = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
+    ct = compile_prx(
+        model,
+        backend=backend,
+        attention=args.attention,
+        device=device,
+        static=True,
+        **cfg,
+        specialize=[[16, 16, 2]],
+    )
+    kw = example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5, dtype=dtype, device=device)
+    out = ct(**kw, return_dict=False)[0]  # builds
     print(
         f"prx-compile demo: tiny PRX (depth {TINY_PRX['depth']}, hidden {TINY_PRX['hidden_size']}), "
-        f"patchify={args.patchify}, backend={backend}, attention={args.attention}"
+        f"patchify={args.patchify}, {_summary_line(ct)}, on {device} ({str(dtype).split('.')[-1]})"
     )
-    kw = example_inputs(model.config, 2, 16, 16, 12, masked_tokens=5, device=next(model.parameters()).device)
-    ep = export_prx(model, kw)
-    before = Counter(str(n.target) for n in ep.graph_module.graph.nodes if n.op == "call_function")
-    from .config import CompileConfig
-
-    gm = lower(ep.module(), CompileConfig.resolve(None, attention=args.attention, backend="eager").lowering())
-    after = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-    print("rewritten by the lowering rules:")
-    for op in sorted(set(before) | set(after)):
-        if before[op] != after[op] and (
-            "attention" in op or "im2col" in op or "col2im" in op or "select" in op
-        ):
-            print(f"  {op:45s} {before[op]:3d} -> {after[op]:3d}")
-    ct = compile_prx(
-        model, backend=backend, attention=args.attention, device=str(kw["hidden_states"].device), **cfg
-    )
-    print("error against eager (fp32):")
-    for masked, label in ((0, "no text token hidden"), (5, "5 of 12 hidden"), (12, "all 12 hidden")):
+    plain, _ = export_prx(model, kw)
+    before = Counter(str(n.target) for n in plain.graph.nodes if n.op == "call_function")
+    if backend == "tensorrt":
+        after = Counter(ct.report()["torch_ops"])
+        print("ops kept in PyTorch between the TensorRT engines:")
+        for op, n in sorted(after.items()):
+            print(f"  {op:45s} {n:3d}")
+    else:
+        graph = ct.backends[0].graph_module.graph
+        after = Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
+        print("rewritten by compile_prx (plain export -> what runs):")
+        for op in sorted(set(before) | set(after)):
+            if before[op] != after[op] and any(k in op for k in ("attention", "im2col", "col2im", "select")):
+                print(f"  {op:45s} {before[op]:3d} -> {after[op]:3d}")
+    print(f"error against eager ({str(dtype).split('.')[-1]}):")
+    for masked, label in ((0, "no text token hidden"), (5, "5 of 16 hidden"), (16, "all 16 hidden")):
         kw = example_inputs(
-            model.config, 2, 16, 16, 12, masked_tokens=masked, seed=masked, device=kw["hidden_states"].device
+            model.config, 2, 16, 16, 16, masked_tokens=masked, seed=masked, dtype=dtype, device=device
         )
         with torch.no_grad():
             ref = model(**kw, return_dict=False)[0]
         out = ct(**kw, return_dict=False)[0]
         print(f"  {label:22s} max abs {max_abs_err(out, ref):.2e}   rel L2 {rel_err(out, ref):.2e}")
-    rep = ct.report()
+
+    def eager_step():
+        with torch.no_grad():
+            return model(**kw, return_dict=False)
+
+    t_eager = time_cuda(eager_step, warmup=3, iters=20)["ms"]
+    t_comp = time_cuda(lambda: ct(**kw, return_dict=False), warmup=3, iters=20)["ms"]
     print(
-        f"compiled: backend {rep['backend']}, engines {rep['engines']}, "
-        f"PyTorch segments {rep['torch_segments']}, "
-        f"kept in PyTorch {rep['torch_ops'] or '{}'}"
+        f"warm step time on {device} (median of 20 after 3 warm-up calls): eager {t_eager:.2f} ms, "
+        f"compiled ({backend}) {t_comp:.2f} ms"
+        + ("  [a tiny model on a CPU: overheads, not a speed result]" if device == "cpu" else "")
     )
     return 0
 
 
 def cmd_build(args) -> int:
-    """Compile a PRX transformer and write an artifact (engines, weights, manifest)."""
-    from . import compile_prx
-    from .serialization import save_compiled
+    """Compile a PRX transformer and write an artifact (weights, engine sets, manifest)."""
+    from . import compile_prx, save_compiled
+    from .artifact import check_target
 
-    model = _model_for_build(args)
-    ct = compile_prx(model, config=args.config, **_compile_kwargs(args))
+    check_target(Path(args.out))  # before minutes of building: is the output path usable?
+    backend = _backend(args)
+    config = _config(args, backend)
+    model = _transformer(args, config)
+    t0 = time.perf_counter()
+    ct = compile_prx(model, config=config)
     ct.build()
     path = save_compiled(ct, args.out)
-    rep = ct.report()
-    print(f"wrote {path} ({rep['backend']}, {rep['engines']} engine(s), built in {rep['build_s']:.1f} s)")
+    size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    print(f"wrote {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s: {_summary_line(ct)}")
+    for b in ct.backends:
+        print(f"  engine set: {b.shapes.describe()}")
     return 0
 
 
@@ -162,36 +227,48 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def _write_png(image, path: Path) -> None:
+    """Write the image to path atomically (a temporary file in the same folder, then rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            image.save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def cmd_generate(args) -> int:
     """Prompts to PNG files, with a compiled transformer (fresh, or loaded from --artifact)."""
     import torch
 
-    from . import compile_prx
-    from .serialization import load_compiled
+    from . import compile_prx, load_compiled
 
     prompts = _prompts(args)
-    pipe, height, width = _load_pipeline(args)
-    pipe.set_progress_bar_config(disable=args.quiet)
-    if args.artifact:
-        pipe.transformer = load_compiled(args.artifact)
+    backend = _backend(args)
+    config = _config(args, backend)
+    loaded = None
+    if args.artifact:  # the pipeline takes the artifact's dtype
+        loaded = load_compiled(args.artifact, device=config.device, backend=args.backend)
+    pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
+    tty = sys.stderr.isatty()
+    pipe.set_progress_bar_config(disable=args.quiet or not tty)
+    size = (1024, 1024) if args.checkpoint else (32, 32)
+    if loaded is not None:
+        if loaded.config.in_channels != pipe.transformer.config.in_channels:
+            raise CLIError("the artifact's transformer does not fit this pipeline (latent channels differ).")
+        pipe.transformer = loaded
     elif not args.no_compile:
-        kw = _compile_kwargs(args)
-        if not args.checkpoint and "backend" not in kw:
-            kw["backend"] = "tensorrt" if torch.cuda.is_available() else "eager"
-        if not args.checkpoint and args.config is None:  # the tiny demo model: latent == pixels
-            kw.update(
-                batch=[1, 2],
-                text_len=[1, 16],
-                resolution=max(height, width),
-                aspect_bins=[],
-                vae_scale_factor=1,
-                device=str(pipe.device),
-            )
-        pipe.transformer = compile_prx(pipe.transformer, config=args.config, **kw)
+        pipe.transformer = compile_prx(pipe.transformer, config=config)
+    if not args.no_compile:  # default size: the first engine set's (the first serving shape)
+        _, h, w, _ = pipe.transformer.backends[0].shapes.opt_point()
+        size = (h * pipe.vae_scale_factor, w * pipe.vae_scale_factor)
+    height, width = args.height or size[0], args.width or size[1]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
         gen = torch.Generator(device="cpu").manual_seed(args.seed + i)
         image = pipe(
             prompt=prompt,
@@ -204,69 +281,147 @@ def cmd_generate(args) -> int:
         ).images[0]
         slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "image"
         path = out_dir / f"{i:03d}-{slug}.png"
-        image.save(path)
-        written.append(str(path))
-    print("\n".join(written))
+        _write_png(image, path)
+        print(path, flush=True)
+        if not args.quiet and not tty:
+            print(
+                f"prx-compile: image {i + 1}/{len(prompts)} in {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+            )
     return 0
 
 
 def cmd_bench(args) -> int:
-    """Per-step latency, build time, memory and accuracy of eager, torch.compile, MTTM, compile_prx."""
-    from .bench import Case, plot, run_bench
+    """Per-step latency, build time, memory and accuracy of the chosen paths, in one process."""
+    from .bench import PATHS, Case, compile_path, failures, plot, run_bench, table
+    from .testing import FULL_PRX, make_prx
 
     if args.plot:
         result = json.loads(Path(args.plot).read_text())
-        plot(result, args.png or Path(args.plot).with_suffix(".png"))
-        print(f"wrote {args.png or Path(args.plot).with_suffix('.png')}")
+        png = args.png or Path(args.plot).with_suffix(".png")
+        plot(result, png)
+        print(f"wrote {png}")
         return 0
-    res = args.resolution or [256 if args.model == "tiny" else 1024]
-    cases = [Case((r, r), b, args.mask, args.text_len) for r in res for b in args.batch]
-    prx = {
-        "resolution": max(res),
-        "aspect_bins": [],
-        "batch": [1, max(args.batch)],
-        "text_len": [1, args.text_len],
-    }
-    model_config = None if args.model == "tiny" else {}
-    run_bench(
+    full = args.model == "full"
+    if full and not _cuda():
+        raise CLIError(
+            "--model full benchmarks the 1.17 B PRX and needs a CUDA GPU; torch sees none.",
+            "use --model tiny (the default) on this machine.",
+        )
+    device = _device()
+    dtype = _torch_dtype(args)
+    model = make_prx(FULL_PRX if full else None, dtype=dtype, device=device)
+    res = args.resolution or [1024 if full else 32]
+    vsf = 8 if full else 1
+    text_len = args.text_len or (256 if full else 16)
+    cases = [Case((r, r), b, args.mask, text_len, vsf) for r in res for b in args.batch]
+    paths = {p: PATHS[p] for p in args.paths if p != "compile_prx"}
+    if "compile_prx" in args.paths:
+        if args.config:
+            overrides = {"backend": _backend(args), "device": device}
+        else:  # a range around the benchmarked shapes
+            overrides = dict(
+                backend=_backend(args),
+                device=device,
+                resolution=max(res),
+                aspect_bins=[],
+                vae_scale_factor=vsf,
+                batch=[1, max(args.batch)],
+                text_len=[1, text_len],
+                specialize=[[r, r, b] for r in res for b in args.batch],
+            )
+        if args.weights:
+            overrides["weights"] = args.weights
+        paths["compile_prx"] = compile_path(args.config, **overrides)
+    result = run_bench(
         cases,
-        args.paths,
-        model_config=model_config,
-        dtype=_dtype(args.dtype),
-        patchify=args.patchify,
-        prx_config=prx,
+        paths,
+        model=model,
         iters=args.iters,
         out_json=args.out,
         out_png=args.png,
         progress=not args.quiet,
     )
+    print(table(result))
+    failed = failures(result)
+    if failed:
+        print("prx-compile: error: these paths failed:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 
 def cmd_inspect(args) -> int:
-    """Print an artifact's manifest (versions, GPU, config, shapes, engines, file hashes)."""
-    from .serialization import inspect_artifact
+    """A summary of an artifact (versions, GPU, engine sets, LoRA, files, hashes verified)."""
+    from .artifact import open_artifact
+    from .saving import KIND, inspect_artifact
 
-    print(json.dumps(inspect_artifact(args.path), indent=1, default=str))
+    if args.json:
+        print(json.dumps(open_artifact(args.path, kind=KIND, verify=not args.no_verify).manifest, indent=1))
+        return 0
+    info = inspect_artifact(args.path, verify=not args.no_verify)
+    v = info["versions"] or {}
+    gpu = info["gpu"] or {}
+    lines = [
+        f"artifact {info['path']} (format {info['format_version']}, created {info['created']})",
+        f"  model        {info['model']}, {info['dtype']}",
+        f"  backend      {info['backend']}, attention {info['attention']}, weights {info['weights']}",
+        f"  built with   torch {v.get('torch')}, diffusers {v.get('diffusers')}, "
+        f"prx_compile {v.get('prx_compile')}"
+        + (
+            f", Torch-TensorRT {v.get('torch_tensorrt')} ({v.get('tensorrt_package')} {v.get('tensorrt')})"
+            if v.get("tensorrt")
+            else ""
+        ),
+        f"  GPU          {gpu.get('name', 'none')} {gpu.get('capability', '')}".rstrip(),
+    ]
+    for s in info["engine_sets"]:
+        lines.append(f"  engine set   {s['shapes']}: {s['engines']} engine(s)")
+    lora = info["lora"]
+    lines.append(f"  LoRA         {'none' if not lora else 'active ' + json.dumps(lora.get('active'))}")
+    lines.append(
+        f"  files        {info['files']} + manifest, {info['bytes'] / 1e6:.1f} MB, "
+        + ("sizes and sha256 verified" if info["verified"] else "not verified (--no-verify)")
+    )
+    print("\n".join(lines))
     return 0
 
 
 # -- parser ------------------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return v
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" for options that have a real default (not None / False)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
+    fmt = _Help
     p = argparse.ArgumentParser(
         prog="prx-compile",
-        description="Compile diffusers' PRX transformer with "
-        "Torch-TensorRT (or the eager/inductor backends) and use it.",
+        description="Compile diffusers' PRX transformer with Torch-TensorRT (or the eager/inductor "
+        "backends) and use it.",
+        formatter_class=fmt,
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--version", action="version", version=f"prx-compile {__version__}")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp, backend=True):  # also accepted after the subcommand; SUPPRESS keeps a flag given before it
-        sp.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bars")
-        sp.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs"
-        )
+        sp.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress output")
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         if backend:
             sp.add_argument(
                 "--backend",
@@ -274,9 +429,18 @@ def parser() -> argparse.ArgumentParser:
                 help="default: tensorrt on a GPU, eager otherwise",
             )
 
-    d = sub.add_parser("demo", help="tiny PRX: lower, run, print rewrites and error against eager")
+    d = sub.add_parser(
+        "demo",
+        help="tiny PRX: what compile_prx rewrites, error against eager, warm timings",
+        formatter_class=fmt,
+    )
     common(d)
-    d.add_argument("--attention", choices=["flash", "tensorrt"], default="flash")
+    d.add_argument(
+        "--attention",
+        choices=["fused", "flash", "tensorrt"],
+        default="fused",
+        help="how attention runs (see CompileConfig.attention)",
+    )
     d.add_argument(
         "--patchify",
         choices=["fold", "reshape"],
@@ -287,67 +451,95 @@ def parser() -> argparse.ArgumentParser:
 
     def model_args(sp):
         g = sp.add_mutually_exclusive_group()
-        g.add_argument("--checkpoint", help="local diffusers PRX checkpoint folder (nothing is downloaded)")
-        g.add_argument("--tiny", action="store_true", help="the built-in tiny random PRX (default)")
-        sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-        sp.add_argument("--config", help="preset name from configs/ or a YAML file")
-        sp.add_argument("--attention", choices=["flash", "tensorrt"])
+        g.add_argument("--checkpoint", help="a local diffusers PRX folder (nothing is downloaded)")
+        g.add_argument(
+            "--tiny", action="store_true", help="the built-in tiny random PRX (used when no --checkpoint)"
+        )
+        sp.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            help="default: the config's dtype, else bf16 on a GPU and fp32 on a CPU",
+        )
+        sp.add_argument(
+            "--config",
+            help="a preset name (prx-1024-bf16, ...) or a YAML file; "
+            "default: compile_prx's defaults (the tiny model's own range with --tiny)",
+        )
+        sp.add_argument(
+            "--attention", choices=["fused", "flash", "tensorrt"], help="override the config's attention"
+        )
+        sp.add_argument("--weights", choices=["inputs", "engine"], help="override the config's weights mode")
 
-    b = sub.add_parser("build", help="compile and write an artifact")
+    b = sub.add_parser("build", help="compile and write an artifact", formatter_class=fmt)
     common(b)
     model_args(b)
     b.add_argument(
         "--random-full", action="store_true", help="the 1.17 B PRX with random weights (benchmarks)"
     )
-    b.add_argument("--out", required=True, help="artifact directory to write")
+    b.add_argument(
+        "--out", required=True, help="artifact directory to write (an existing artifact is replaced)"
+    )
     b.set_defaults(func=cmd_build)
 
-    g = sub.add_parser("generate", help="prompts to PNG files")
+    g = sub.add_parser("generate", help="prompts to PNG files", formatter_class=fmt)
     common(g)
     model_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line")
     g.add_argument("--artifact", help="use a saved artifact instead of compiling")
     g.add_argument("--no-compile", action="store_true", help="run the eager transformer")
-    g.add_argument("--out-dir", default="prx-images")
-    g.add_argument("--steps", type=int, default=28)
-    g.add_argument("--guidance", type=float, default=4.0)
-    g.add_argument("--height", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png)")
+    g.add_argument("--steps", type=_positive, default=28, help="denoising steps")
+    g.add_argument("--guidance", type=float, default=4.0, help="guidance scale (> 1 doubles the batch)")
+    g.add_argument("--height", type=_positive, help="pixels; default: the first engine set's size")
+    g.add_argument("--width", type=_positive, help="pixels; default: the first engine set's size")
+    g.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     g.set_defaults(func=cmd_generate)
 
-    be = sub.add_parser("bench", help="benchmark paths in one process; table, JSON and PNG chart")
-    common(be, backend=False)
-    be.add_argument("--model", choices=["tiny", "full"], default="tiny", help="full: the 1.17 B PRX (GPU)")
+    be = sub.add_parser(
+        "bench", help="benchmark paths in one process: table, JSON and PNG chart", formatter_class=fmt
+    )
+    common(be)
+    be.add_argument(
+        "--model", choices=["tiny", "full"], default="tiny", help="full: the 1.17 B PRX (GPU only)"
+    )
     be.add_argument(
         "--paths",
         nargs="+",
+        choices=["eager", "torch.compile", "torch.compile-max-autotune", "plain_mttm", "compile_prx"],
         default=["eager", "compile_prx"],
-        help="eager torch.compile plain_mttm compile_prx 'compile_prx[key=value,...]'",
+        help="what to time",
     )
+    be.add_argument("--config", help="compile_prx's preset or YAML (default: a range around the cases)")
+    be.add_argument("--weights", choices=["inputs", "engine"], help="compile_prx's weights mode")
     be.add_argument(
-        "--resolution", type=int, action="append", help="square pixel size, repeatable (256 tiny, 1024 full)"
+        "--resolution",
+        type=_positive,
+        action="append",
+        help="square pixel size, repeatable (default: 32 tiny, 1024 full)",
     )
-    be.add_argument("--batch", type=int, nargs="+", default=[2])
+    be.add_argument("--batch", type=_positive, nargs="+", default=[2], help="transformer batch sizes")
     be.add_argument(
         "--mask",
         choices=["pipeline", "none", "full"],
         default="pipeline",
         help="pipeline: rows keep 1 and 40 text tokens, as PRXPipeline with guidance",
     )
-    be.add_argument("--text-len", type=int, default=256)
-    be.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    be.add_argument("--patchify", choices=["reshape", "fold"], default="reshape")
-    be.add_argument("--iters", type=int, default=10)
+    be.add_argument("--text-len", type=_positive, help="text tokens (default: 16 tiny, 256 full)")
+    be.add_argument("--dtype", choices=DTYPES, help="default: bf16 on a GPU, fp32 on a CPU")
+    be.add_argument(
+        "--iters", type=_positive, default=10, help="timed calls per case (after 3 warm-up calls)"
+    )
     be.add_argument("--out", help="results JSON")
     be.add_argument("--png", help="chart PNG")
     be.add_argument("--plot", help="only re-draw the chart of an existing results JSON")
     be.set_defaults(func=cmd_bench)
 
-    i = sub.add_parser("inspect", help="print an artifact's manifest")
+    i = sub.add_parser("inspect", help="summarise (and verify) an artifact", formatter_class=fmt)
     common(i, backend=False)
-    i.add_argument("path")
+    i.add_argument("path", help="the artifact directory")
+    i.add_argument("--json", action="store_true", help="print the raw manifest instead of a summary")
+    i.add_argument("--no-verify", action="store_true", help="skip checking the files' sizes and sha256")
     i.set_defaults(func=cmd_inspect)
     return p
 
@@ -361,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.set_verbosity_error()
-        for noisy in ("torch", "torch_tensorrt", "py.warnings"):
+        for noisy in ("torch", "torch_tensorrt", "py.warnings", "transformers"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
         import warnings
 
@@ -376,11 +568,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"prx-compile: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (FileNotFoundError, OSError, ValueError) as e:
+    except KeyboardInterrupt:
+        print("prx-compile: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
         if args.debug:
             raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         print(
-            f"prx-compile: error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+            f"prx-compile: error: {type(e).__name__}: {first} (run with --debug for the traceback)",
             file=sys.stderr,
         )
         return EXIT_ERROR

@@ -121,7 +121,9 @@ class CompiledTransformer(torch.nn.Module):
 
     def _example(self, shapes: ShapeRange) -> dict[str, torch.Tensor]:
         b, h, w, t = shapes.opt_point()
-        return self._normalise(**example_inputs(self.config, b, h, w, t, dtype=self.dtype, device=self._device))
+        return self._normalise(
+            **example_inputs(self.config, b, h, w, t, dtype=self.dtype, device=self._device)
+        )
 
     def _build_backend(self, index: int) -> Backend:
         backend = self.backends[index]

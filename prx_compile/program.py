@@ -237,8 +237,10 @@ class Program:
                 raise ProgramError(f"{where}.op={str(op)[:80]!r} is not an allowed operator")
             if not isinstance(s["args"], list) or not isinstance(s["kwargs"], dict):
                 raise ProgramError(f"{where}: args must be a list and kwargs a mapping")
-            if not all(isinstance(k, str) and re.match(r"^[a-z_][a-z0-9_]{0,40}$", k) for k in s["kwargs"]):
+            if not all(isinstance(k, str) and re.match(r"^[a-z][a-z0-9_]{0,40}$", k) for k in s["kwargs"]):
                 raise ProgramError(f"{where}.kwargs has a key that is not a keyword name")
+            if op == "engine" and s["kwargs"]:
+                raise ProgramError(f"{where}: an engine takes no keyword arguments")
             for a in [*s["args"], *s["kwargs"].values()]:
                 _check_arg(a, known, defined, where, 0)
             if not isinstance(out, str) or not re.match(r"^v[0-9]{1,7}$", out) or out in defined:

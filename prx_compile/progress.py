@@ -1,15 +1,18 @@
-"""Progress bars for the long steps (export, lowering, engine build, refit), shown when enabled.
+"""Progress for the long steps (export, lowering, engine builds, refits), shown when enabled.
 
     with progress.reporting(True):
-        compiled.build()          # prints "export", "lower", "build" bars with their durations
+        compiled.build()     # "export (...)", "lower", "build TensorRT engines", each with its duration
 
-The CLI enables it unless ``--quiet``; notebooks and scripts opt in the same way. Off by default.
+In a terminal each step is a tqdm bar on stderr; anywhere else (a log file, a notebook's captured
+stream, CI) each finished step is one line on stderr, so logs read cleanly. The CLI enables it
+unless ``--quiet``; notebooks and scripts opt in the same way. Off by default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -19,7 +22,7 @@ _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("prx_compile_pro
 
 @contextlib.contextmanager
 def reporting(enabled: bool = True) -> Iterator[None]:
-    """Within the block, long steps show tqdm progress bars (or not)."""
+    """Within the block, long steps report their progress (or not)."""
     token = _ENABLED.set(enabled)
     try:
         yield
@@ -31,16 +34,24 @@ def enabled() -> bool:
     return _ENABLED.get()
 
 
+def _tty() -> bool:
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
 @contextlib.contextmanager
 def stage(desc: str) -> Iterator[None]:
-    """A one-step bar for an opaque step: shows the step while it runs, then its duration."""
+    """An opaque step: a bar while it runs in a terminal, one line with its duration elsewhere."""
     if not enabled():
         yield
         return
+    t0 = time.perf_counter()
+    if not _tty():
+        yield
+        print(f"prx-compile: {desc}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=1, desc=desc, bar_format="{desc}: {elapsed}{postfix}", leave=True)
-    t0 = time.perf_counter()
+    bar = tqdm(total=1, desc=desc, bar_format="{desc}: {elapsed}{postfix}", leave=True, file=sys.stderr)
     try:
         yield
         bar.set_postfix_str(f"done in {time.perf_counter() - t0:.1f} s", refresh=False)
@@ -50,9 +61,18 @@ def stage(desc: str) -> Iterator[None]:
 
 
 def items(iterable: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
-    """``iterable`` with a progress bar when enabled."""
+    """``iterable`` with a bar in a terminal (one line when done elsewhere), when enabled."""
     if not enabled():
         return iterable
+    if not _tty():
+        return _lines(iterable, desc)
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, leave=True)
+    return tqdm(iterable, desc=desc, total=total, leave=True, file=sys.stderr)
+
+
+def _lines(iterable: Iterable[Any], desc: str) -> Iterator[Any]:
+    t0, n = time.perf_counter(), 0
+    for n, item in enumerate(iterable, 1):  # noqa: B007
+        yield item
+    print(f"prx-compile: {desc}: {n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

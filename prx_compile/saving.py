@@ -29,7 +29,7 @@ import torch
 from . import artifact, lora
 from .artifact import field
 from .backends import backend_class, make_backend
-from .config import CompileConfig
+from .config import DTYPES, CompileConfig
 from .errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError
 from .export import ShapeRange
 from .module import CompiledTransformer
@@ -73,13 +73,18 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
                 "created": artifact.now(),
                 "versions": artifact.versions(cfg.backend == "tensorrt"),
                 "gpu": artifact.gpu(),
-                "config": {**cfg.to_dict(), "engine_cache_dir": None},
+                "config": {**cfg.to_dict(), "engine_cache_dir": None, "dtype": _dtype_name(transformer)},
                 "model": model_record,
                 "lora": lora_record,
                 "sets": sets,
             }
         )
     return Path(path)
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    return {v: k for k, v in DTYPES.items()}[dtype]
 
 
 def _model_config(model: torch.nn.Module) -> dict[str, Any]:

@@ -160,7 +160,10 @@ def symlinked_dir(p: Path):
         (list_outside_file("../outside"), "not allowed in an artifact"),
         (list_outside_file("/etc/passwd"), "not allowed in an artifact"),
         (symlinked_dir, "sets/x.engine is a symbolic link"),
-        (lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}), "config is missing"),
+        (
+            lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}),
+            "config is missing",
+        ),
         (lambda p: write_manifest(p, {**manifest(p), "config": []}), "config must be a dict"),
         (lambda p: write_manifest(p, {**manifest(p), "sets": {}}), "sets must be a list"),
         (lambda p: write_manifest(p, {**manifest(p), "lora": None}), "manifest.lora does not match"),
@@ -197,11 +200,27 @@ def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypat
         ("prx_compile.model", {"class": "os.system", "config": {}}, "model.class"),
         ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"depth": 10**9}}, "depth"),
         ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"hidden_size": 65}}, "PRX model"),
-        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"__class__": 1}}, "not a PRX setting"),
-        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"theta": "1e4"}}, "not an allowed value"),
-        ("prx_compile.lora", {"adapters": {"../x": {"source": "", "layers": {}}}, "active": {}}, "cannot be restored"),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"__class__": 1}},
+            "not a PRX setting",
+        ),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"theta": "1e4"}},
+            "not an allowed value",
+        ),
+        (
+            "prx_compile.lora",
+            {"adapters": {"../x": {"source": "", "layers": {}}}, "active": {}},
+            "cannot be restored",
+        ),
         ("prx_compile.lora", {"adapters": {}, "active": {"a": 1.0}}, "cannot be restored"),
-        ("prx_compile.lora", {"adapters": {"a": {"source": "", "layers": {"x": 1.0}}}, "active": {}}, "unknown"),
+        (
+            "prx_compile.lora",
+            {"adapters": {"a": {"source": "", "layers": {"x": 1.0}}}, "active": {}},
+            "unknown",
+        ),
         ("prx_compile.lora", {"adapters": {}, "active": {}, "extra": 1}, "cannot be restored"),
     ],
 )
@@ -233,12 +252,24 @@ def test_hostile_engine_set_records_are_artifact_errors(artifact):
     for sets, match in (
         ([{"shapes": {"batch": [1, "2"]}, "state": {}}], r"sets\[0\]"),
         ([{"shapes": None, "state": {}}], r"sets\[0\]"),
-        ([{"shapes": manifest(artifact)["sets"][0]["shapes"], "state": {"meta": {"kind": "torch", "x": 1},
-                                                                       "blobs": [], "tensors": False}}],
-         r"sets\[0\]: a torch backend state"),
-        ([{"shapes": manifest(artifact)["sets"][0]["shapes"], "state": {"meta": {"kind": "torch"},
-                                                                       "blobs": ["../../x"], "tensors": False}}],
-         "blobs must list file names"),
+        (
+            [
+                {
+                    "shapes": manifest(artifact)["sets"][0]["shapes"],
+                    "state": {"meta": {"kind": "torch", "x": 1}, "blobs": [], "tensors": False},
+                }
+            ],
+            r"sets\[0\]: a torch backend state",
+        ),
+        (
+            [
+                {
+                    "shapes": manifest(artifact)["sets"][0]["shapes"],
+                    "state": {"meta": {"kind": "torch"}, "blobs": ["../../x"], "tensors": False},
+                }
+            ],
+            "blobs must list file names",
+        ),
     ):
         write_manifest(artifact, {**manifest(artifact), "sets": sets})
         with pytest.raises(ArtifactError, match=match):
@@ -249,7 +280,11 @@ def test_engines_of_another_backend_are_refused(artifact):
     """The loader follows the config's backend only: a TensorRT state under an eager config is refused."""
     m = manifest(artifact)
     m["sets"][0]["state"]["meta"] = {
-        "kind": "tensorrt", "weights": "inputs", "program": {}, "engines": {}, "provenance": {}
+        "kind": "tensorrt",
+        "weights": "inputs",
+        "program": {},
+        "engines": {},
+        "provenance": {},
     }
     write_manifest(artifact, m)
     with pytest.raises(ArtifactError, match=r"sets\[0\]: a torch backend state"):
@@ -268,7 +303,10 @@ def test_the_manifest_cannot_choose_where_anything_is_written(artifact, tmp_path
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the version check needs Torch-TensorRT")
 def test_engine_and_gpu_mismatch_are_named():
-    m = {"versions": {"tensorrt": "0.0.1", "tensorrt_package": "tensorrt"}, "gpu": {"name": "X", "capability": [1, 0]}}
+    m = {
+        "versions": {"tensorrt": "0.0.1", "tensorrt_package": "tensorrt"},
+        "gpu": {"name": "X", "capability": [1, 0]},
+    }
     with pytest.raises(ArtifactError, match="built with tensorrt 0.0.1.*rebuild=True"):
         check_compatible(m)
 
@@ -363,7 +401,14 @@ class FileAudit:
 
     @classmethod
     def hook(cls, event, args):
-        if cls.active and event in ("open", "os.rename", "os.remove", "os.mkdir", "os.rmdir", "shutil.rmtree"):
+        if cls.active and event in (
+            "open",
+            "os.rename",
+            "os.remove",
+            "os.mkdir",
+            "os.rmdir",
+            "shutil.rmtree",
+        ):
             cls.events.append((event, args))
 
 
@@ -401,8 +446,25 @@ def test_loading_touches_nothing_outside(artifact):
 
 # -- every malformed field: the same weights, or ArtifactError (property test) -----------------------
 JSON_VALUES = [
-    None, True, False, 0, -1, 1, 2**63, 1e308, float("nan"), "", "x", "../../etc/passwd", "/etc/passwd",
-    "__import__('os').system('touch pwned')", [], [1, 2], {}, {"a": 1}, [[1024, 1024, 2]],
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**63,
+    1e308,
+    float("nan"),
+    "",
+    "x",
+    "../../etc/passwd",
+    "/etc/passwd",
+    "__import__('os').system('touch pwned')",
+    [],
+    [1, 2],
+    {},
+    {"a": 1},
+    [[1024, 1024, 2]],
 ]
 
 

@@ -1,4 +1,4 @@
-"""CompileConfig: presets, YAML, overrides, engine sets, and errors that name the key and the allowed values."""
+"""CompileConfig: presets, YAML, overrides, engine sets, and errors naming the key and the allowed values."""
 
 import pytest
 import torch
@@ -128,4 +128,7 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
     assert set(ENGINE_KEYS) <= set(cfg.to_dict())
     assert cfg.engine_settings() == CompileConfig.resolve(p, cuda_graphs=False).engine_settings()
     assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
-    assert cfg.lowering().attention == "flash" and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"
+    assert (
+        cfg.lowering().attention == "flash"
+        and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"
+    )

@@ -198,7 +198,10 @@ def test_other_errors_change_nothing():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=float("nan")), "scale nan is not a finite"),
+        (
+            lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=float("nan")),
+            "scale nan is not a finite",
+        ),
         (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=True), "scale True is not a finite"),
         (lambda m: load_lora(m, make_random_lora(m, 4), "../b"), "adapter name"),
         (lambda m: set_lora(m, ["a"], [float("inf")]), "scale inf is not a finite"),

@@ -13,76 +13,11 @@ recreates it with the same abilities: a loaded backend is the same type as a bui
 
 from __future__ import annotations
 
-import abc
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from ..config import CompileConfig
 from ..export import ShapeRange
-
-
-@dataclass
-class BackendState:
-    """What a built backend needs to come back: ``meta`` (JSON-able), ``blobs`` (named bytes, e.g.
-    engines) and ``tensors`` (named tensors, e.g. constants). Names are ``[A-Za-z0-9_.-]``."""
-
-    meta: dict[str, Any]
-    blobs: dict[str, bytes] = field(default_factory=dict)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class Backend(abc.ABC):
-    kind: str = ""
-
-    def __init__(self, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange):
-        self.model = model
-        self.config = config
-        self.shapes = shapes
-        self.build_s: float | None = None
-
-    @property
-    def is_built(self) -> bool:
-        return self.build_s is not None
-
-    @abc.abstractmethod
-    def build(self, example: dict[str, torch.Tensor]) -> None:
-        """Export, lower and compile for ``example`` (PRX forward kwargs) over ``self.shapes``."""
-
-    @abc.abstractmethod
-    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
-        """One transformer step: PRX forward kwargs -> (B, C, H, W)."""
-
-    def report(self) -> dict[str, Any]:
-        """{"engines", "torch_segments", "torch_ops": {op: count}} of what was built."""
-        return {"engines": 0, "torch_segments": 0, "torch_ops": {}}
-
-    def weights_changed(self, names: list[str]) -> dict[str, Any]:
-        """Propagate in-place changes of these parameters (FQNs of ``self.model``); returns timings.
-
-        "graphs_valid": whether CUDA graphs captured before stay valid (no new engine memory)."""
-        return {"refit_s": 0.0, "graphs_valid": True}
-
-    @property
-    def needs_refit(self) -> bool:
-        """True when weight changes must be pushed into compiled copies (and can fail)."""
-        return False
-
-    @abc.abstractmethod
-    def state(self) -> BackendState:
-        """This built backend as a ``BackendState``."""
-
-    @classmethod
-    @abc.abstractmethod
-    def from_state(
-        cls, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange, state: BackendState
-    ) -> Backend:
-        """The backend ``state`` describes, over ``model``'s live parameters. Raises ValueError
-        naming the field when the state is malformed."""
-
-    def versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__}
+from .base import Backend, BackendState
 
 
 def backend_class(config: CompileConfig) -> type[Backend]:
@@ -99,3 +34,6 @@ def backend_class(config: CompileConfig) -> type[Backend]:
 def make_backend(model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange) -> Backend:
     """A backend of ``config.backend`` (raises BackendUnavailableError where it cannot run)."""
     return backend_class(config)(model, config, shapes)
+
+
+__all__ = ["Backend", "BackendState", "backend_class", "make_backend"]

@@ -13,7 +13,7 @@ import torch
 from .. import progress
 from ..export import ACTIVATIONS, export_prx
 from ..lowering import lower
-from . import Backend, BackendState
+from .base import Backend, BackendState
 
 
 class TorchBackend(Backend):

@@ -37,7 +37,8 @@ from ..export import ACTIVATIONS, export_prx
 from ..lowering import ENGINE_RULES, lower
 from ..ops import FLASH_ATTENTION, JOINT_ATTENTION, PRX_ATTENTION
 from ..program import Program, from_graph_module
-from . import Backend, BackendState, trt_shim
+from . import trt_shim
+from .base import Backend, BackendState
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")

@@ -1,0 +1,86 @@
+"""``load_pipeline``: a PRXPipeline from a local diffusers folder, on every dependency version we support.
+
+With diffusers 0.42 and transformers 5.x, ``PRXPipeline.from_pretrained`` fails on any PRX folder:
+its ``model_index.json`` names the text encoder ``transformers.T5GemmaEncoder``, which transformers no
+longer exports at the top level (``transformers.models.t5gemma.modeling_t5gemma.T5GemmaEncoder``), and
+diffusers checks that name even for a component passed in. ``load_pipeline`` loads each component with
+its own class from an explicit table (safetensors only, local files only) and builds the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+#: component -> {class name in model_index.json: how to import it}; nothing else is resolved.
+COMPONENTS: dict[str, dict[str, tuple[str, str]]] = {
+    "transformer": {"PRXTransformer2DModel": ("diffusers", "PRXTransformer2DModel")},
+    "scheduler": {"FlowMatchEulerDiscreteScheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler")},
+    "text_encoder": {"T5GemmaEncoder": ("transformers.models.t5gemma.modeling_t5gemma", "T5GemmaEncoder")},
+    "vae": {
+        "AutoencoderKL": ("diffusers", "AutoencoderKL"),
+        "AutoencoderDC": ("diffusers", "AutoencoderDC"),
+    },
+}
+
+
+def load_pipeline(path: str | Path, torch_dtype: torch.dtype | None = None):
+    """A PRXPipeline from the diffusers folder ``path`` (model_index.json, transformer/, ...).
+
+    Raises ConfigError naming the missing file or the unexpected component."""
+    import importlib
+
+    from diffusers import PRXPipeline
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        raise ConfigError(
+            f"{root} is not a diffusers PRX folder: model_index.json is missing.",
+            "pass the folder that holds model_index.json, transformer/, text_encoder/, ...",
+        )
+    try:
+        index = json.loads(index_file.read_text())
+    except (ValueError, OSError, RecursionError) as e:
+        raise ConfigError(f"{index_file} is not valid JSON ({type(e).__name__}).") from e
+    if not isinstance(index, dict) or index.get("_class_name") != "PRXPipeline":
+        raise ConfigError(f"{index_file} does not describe a PRXPipeline.")
+    parts: dict[str, Any] = {}
+    for name in ("transformer", "scheduler", "text_encoder", "tokenizer", "vae"):
+        spec = index.get(name)
+        if spec is None or spec == [None, None]:
+            if name != "vae":
+                raise ConfigError(f"{index_file} names no {name}.")
+            parts[name] = None
+            continue
+        if not (isinstance(spec, list) and len(spec) == 2 and all(isinstance(s, str) for s in spec)):
+            raise ConfigError(f"{index_file}: {name} must be [library, class].")
+        sub = root / name
+        if not sub.is_dir():
+            raise ConfigError(f"{sub} is missing.", "the folder is incomplete: download it again.")
+        cls_name = spec[1]
+        if name == "tokenizer":  # AutoTokenizer reads the class from the folder (no remote code)
+            parts[name] = AutoTokenizer.from_pretrained(str(sub), local_files_only=True)
+            continue
+        if cls_name not in COMPONENTS[name]:
+            raise ConfigError(
+                f"{index_file}: {name} class {cls_name!r} is not one PRX uses.",
+                f"expected one of {sorted(COMPONENTS[name])}.",
+            )
+        module, attr = COMPONENTS[name][cls_name]
+        cls = getattr(importlib.import_module(module), attr)
+        if name == "scheduler":
+            parts[name] = cls.from_pretrained(str(sub), local_files_only=True)
+        else:  # weights from safetensors only
+            kw = {"torch_dtype": torch_dtype, "local_files_only": True, "use_safetensors": True}
+            parts[name] = cls.from_pretrained(str(sub), **kw)
+    extra = {}
+    if "default_sample_size" in index:
+        extra["default_sample_size"] = index["default_sample_size"]
+    return PRXPipeline(**parts, **extra)

@@ -1,0 +1,151 @@
+"""The Program (engines and PyTorch ops between them, as validated JSON) on the CPU.
+
+The tensorrt backend makes a Program from Torch-TensorRT's partitioned graph. Here the same lowered
+PRX graph is partitioned by torch.fx's ``split_module`` at the attention ops, and the pieces between
+them stand in for engines (run by PyTorch, named as such): conversion, JSON round trip, the
+interpreter, and the validation of hostile JSON are all checked against eager."""
+
+import json
+
+import pytest
+import torch
+from torch.fx.passes.split_module import split_module
+
+from prx_compile.export import ShapeRange, export_prx
+from prx_compile.lowering import LoweringSettings, lower
+from prx_compile.ops import PRX_ATTENTION
+from prx_compile.program import OPS, Program, ProgramError, from_graph_module
+from prx_compile.testing import make_prx
+
+from .conftest import eager, prx_inputs
+
+RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
+
+
+def partitioned(weights):
+    """(model, split GraphModule, the 'engine' children, weight names): attention ops between pieces."""
+    model = make_prx()
+    ep, names = export_prx(model, prx_inputs(model), RANGE, weights=weights, fuse_attention=True)
+    lower(ep.graph_module, LoweringSettings())
+    gm = ep.module()
+    part = {"i": 0}
+
+    def split(node):
+        if node.op == "call_function" and node.target == PRX_ATTENTION:
+            part["i"] += 2
+            return part["i"] - 1
+        return part["i"]
+
+    sp = split_module(gm, gm, split)
+    engines = {
+        n: m
+        for n, m in sp.named_children()
+        if isinstance(m, torch.fx.GraphModule) and not any(x.target == PRX_ATTENTION for x in m.graph.nodes)
+    }
+    return model, sp, engines, names
+
+
+@pytest.fixture(scope="module", params=["inputs", "engine"])
+def program(request):
+    model, sp, engines, names = partitioned(request.param)
+    prog, consts = from_graph_module(
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
+    )
+    return model, prog, consts, engines
+
+
+def run(prog, model, engines, consts, kw):
+    out = prog.run(kw, dict(model.named_parameters()), engines, consts)
+    return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def test_program_matches_eager_and_reads_live_weights(program):
+    model, prog, consts, engines = program
+    assert prog.torch_ops() == {"prx_compile.prx_attention.default": model.config.depth}
+    assert prog.segments == model.config.depth and len(prog.engine_names()) == model.config.depth + 1
+    assert not consts  # every tensor the steps read is a live parameter
+    for kw in (prx_inputs(model), prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1)):
+        assert (run(prog, model, engines, consts, kw) - eager(model, kw)).abs().max() <= 1e-5
+    kw = prx_inputs(model)
+    before = run(prog, model, engines, consts, kw)
+    with torch.no_grad():
+        model.blocks[0].attention.norm_q.weight.mul_(2)  # read between engines, by the attention op
+    try:
+        assert (run(prog, model, engines, consts, kw) - before).abs().max() > 1e-4
+    finally:
+        with torch.no_grad():
+            model.blocks[0].attention.norm_q.weight.div_(2)
+
+
+def test_json_roundtrip_runs_the_same(program):
+    model, prog, consts, engines = program
+    data = json.loads(json.dumps(prog.to_json()))
+    again = Program.from_json(
+        data, engines=set(engines), params={n for n, _ in model.named_parameters()}, constants=set(consts)
+    )
+    kw = prx_inputs(model)
+    assert torch.equal(run(again, model, engines, consts, kw), run(prog, model, engines, consts, kw))
+
+
+def mutations(data):
+    """(description, mutated program JSON) pairs, each one an attack or a corruption."""
+    first = next(i for i, s in enumerate(data["steps"]) if s["op"] != "engine")
+
+    def with_step(i, **changes):
+        d = json.loads(json.dumps(data))
+        d["steps"][i].update(changes)
+        return d
+
+    yield "file-reading op", with_step(first, op="aten.from_file.default")
+    yield "in-place op", with_step(first, op="aten.copy_.default")
+    yield "dotted escape", with_step(first, op="aten.__class__.__base__")
+    yield "python builtin", with_step(first, op="builtins.eval")
+    yield "unknown engine", with_step(0, engine="_run_on_acc_99")
+    yield "engine path", with_step(0, engine="../../etc/passwd")
+    yield "later value", with_step(0, args=[{"ref": f"v{len(data['steps']) - 1}"}])
+    yield "unknown parameter", with_step(0, args=[{"ref": "w:no.such.weight"}])
+    yield "unknown constant", with_step(0, args=[{"ref": "c:x"}])
+    yield "unknown input", with_step(0, args=[{"ref": "in:__import__"}])
+    yield "bad ref", with_step(0, args=[{"ref": "__import__('os')"}])
+    yield "code as string", with_step(first, args=["__import__('os').system('x')"])
+    yield "unknown kind", with_step(first, args=[{"eval": "1"}])
+    yield "bad dtype", with_step(first, args=[{"dtype": "object"}])
+    yield "bad float", with_step(first, args=[{"float": "1e999"}])
+    yield "deep nesting", with_step(first, args=[json.loads('{"list": [' * 20 + "]}" * 20)])
+    yield "kwarg name", with_step(first, kwargs={"__class__": 1})
+    yield "duplicate result", with_step(1, out="v0")
+    yield "bad result name", with_step(1, out="x; import os")
+    yield "extra key", with_step(0, python="print(1)")
+    d = json.loads(json.dumps(data))
+    d["inputs"] = ["hidden_states", "weights"]
+    yield "bad input name", d
+    yield "not a program", []
+
+
+def test_hostile_json_is_refused_with_a_named_field(program):
+    model, prog, consts, engines = program
+    data = prog.to_json()
+    for what, bad in mutations(data):
+        with pytest.raises(ProgramError, match=r"program|steps|must|not"):
+            Program.from_json(
+                bad,
+                engines=set(engines),
+                params={n for n, _ in model.named_parameters()},
+                constants=set(consts),
+            )
+            pytest.fail(f"accepted: {what}")
+
+
+def test_the_op_table_is_functional_and_file_free():
+    for name, op in OPS.items():
+        if isinstance(op, torch._ops.OpOverload):
+            schema = op._schema
+            assert not schema.is_mutable, name
+            assert not any(a.name == "out" for a in schema.arguments), name
+    for forbidden in (
+        "aten.from_file.default",
+        "aten.as_strided.default",
+        "aten.copy_.default",
+        "aten.set_.source_Tensor",
+    ):
+        assert forbidden not in OPS
