@@ -239,3 +239,27 @@ def test_pipeline_helper():
     load_lora(pipe, make_random_lora(pipe.transformer, 4), "p")
     assert summary(pipe)["active"] == {"p": 1.0}
     unload_lora(pipe)
+
+
+def test_a_failing_refit_rolls_the_weights_back(monkeypatch):
+    """With weights baked into engines a refit can fail: the parameters then return to their values."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **RANGE)
+    ct(**prx_inputs(model, h=16, w=16), return_dict=False)
+    load_lora(ct, make_random_lora(model, 4, seed=5), "good", 0.3)
+    before = weights(model)
+    backend = next(b for b in ct.backends if b.is_built)
+    calls = []
+
+    def refit(names):
+        calls.append(sorted(names))
+        if len(calls) == 1:
+            raise RuntimeError("TensorRT refit_cuda_engine() failed")
+        return {"refit_s": 0.0}
+
+    monkeypatch.setattr(type(backend), "needs_refit", property(lambda self: True))
+    monkeypatch.setattr(backend, "weights_changed", refit)
+    with pytest.raises(RuntimeError, match="refit_cuda_engine"):
+        load_lora(ct, make_random_lora(model, 4, seed=6), "bad")
+    assert same(weights(model), before) and list(summary(ct)["adapters"]) == ["good"]
+    assert len(calls) == 2 and calls[0] == calls[1]  # the restored values were pushed again

@@ -1,0 +1,58 @@
+"""The tensorrt backend's plain-Python parts, on the CPU: required settings, weight provenance."""
+
+import inspect
+
+import pytest
+import torch
+
+from prx_compile import BackendUnavailableError
+from prx_compile.backends import trt_shim
+from prx_compile.backends.tensorrt import _check_provenance, _match_constant
+
+
+def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=False, device=None, **kwargs):
+    """The shape of torch_tensorrt.dynamo.compile's signature, minus options."""
+
+
+def test_required_settings_are_required(monkeypatch):
+    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: type("T", (), {"__version__": "9.9"}))
+    got = trt_shim.compile_settings(
+        {"attn_bias_is_causal": False, "truncate_double": True}, {"decompose_attention": False}, fake_compile
+    )
+    assert got == {
+        "attn_bias_is_causal": False,
+        "truncate_double": True,
+    }  # an unknown optional one is left out
+    assert "kwargs" in inspect.signature(fake_compile).parameters
+    with pytest.raises(BackendUnavailableError, match=r"\['immutable_weights'\].*needs to be correct"):
+        trt_shim.compile_settings(
+            {"immutable_weights": True, "device": "cuda"}, {}, lambda ep, *, device=None: None
+        )
+
+
+def test_constants_are_traced_to_parameters_by_value():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, generator=g)
+    b = torch.randn(6, generator=g)
+    twin = w.clone()  # same values under another name: ambiguous
+    originals = {"model.lin.weight": w, "model.lin.bias": b}
+    assert _match_constant(w.t().contiguous(), originals, ["model.lin.weight"]) == ("model.lin.weight", "t")
+    assert _match_constant(b.clone(), originals, ["model.lin.bias"]) == ("model.lin.bias", "id")
+    assert _match_constant(w + 1, originals, ["model.lin.weight"]) is None
+    both = {**originals, "model.other.weight": twin}
+    assert _match_constant(w.clone(), both, ["model.lin.weight", "model.other.weight"]) is None
+
+
+def test_saved_provenance_is_validated():
+    params = {"blocks.0.attention.img_qkv_proj.weight"}
+    ok = {"_frozen_param3": ["blocks.0.attention.img_qkv_proj.weight", "t"]}
+    assert _check_provenance(ok, params) == {
+        "_frozen_param3": ("blocks.0.attention.img_qkv_proj.weight", "t")
+    }
+    for bad in (
+        {"x": ["no.such.weight", "t"]},
+        {"x": ["blocks.0.attention.img_qkv_proj.weight", "exec"]},
+        [],
+    ):
+        with pytest.raises(ValueError):
+            _check_provenance(bad, params)
