@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -44,15 +45,15 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 CHUNK = 1 << 26
 MAX_MANIFEST_BYTES = 64 << 20
-_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,120}$")
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,120}")
+_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def check_name(rel: Any) -> list[str]:
     """The parts of a file name inside an artifact; ArtifactError for anything but a/b/c of
     ``[A-Za-z0-9_.-]`` parts (no ``..``, no absolute path, at most 3 deep)."""
     parts = rel.split("/") if isinstance(rel, str) else []
-    if not 1 <= len(parts) <= 3 or not all(_PART.match(p) and ".." not in p for p in parts):
+    if not 1 <= len(parts) <= 3 or not all(_PART.fullmatch(p) and ".." not in p for p in parts):
         raise ArtifactError(f"file name {str(rel)[:100]!r} is not allowed in an artifact.")
     return parts
 
@@ -143,45 +144,85 @@ def _chunk_hashes(fd: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike, replace_if: str = FORMAT) -> Iterator[Writer]:
-    """Write an artifact at ``path``: yields a ``Writer`` on a private sibling directory, which
-    replaces ``path`` when the block ends without an error (or is removed, if it raises).
+def writing(path: str | os.PathLike, kind: str) -> Iterator[Writer]:
+    """Write an artifact of ``kind`` at ``path``: yields a ``Writer`` on a private sibling directory,
+    which replaces ``path`` when the block ends without an error (or is removed, if it raises).
 
-    ``path`` may not exist, be an empty directory, or be an artifact (a directory whose manifest has
-    format ``replace_if``); anything else is an ArtifactError (nothing is overwritten).
+    ``path`` may not exist, be an empty directory, or be an artifact of the same kind; anything else
+    is an ArtifactError (nothing is overwritten). The swap is one atomic ``renameat2(RENAME_EXCHANGE)``
+    where Linux offers it; otherwise two renames, undone if the second fails, and a previous artifact
+    left aside by a killed save is put back by the next one.
     """
     path = Path(path)
     parent = path.parent
     parent.mkdir(parents=True, exist_ok=True)
     with locked(parent / f".{path.name}.lock"):
-        for stale in parent.glob(f".{path.name}.[to][ml][pd]-*"):  # .tmp-* and .old-* of killed saves
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-        _check_replaceable(path, replace_if)
+        _recover(path)
+        _check_replaceable(path, kind)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
         try:
             yield Writer(tmp)
             if not (tmp / MANIFEST).is_file():
                 raise ArtifactError("internal error: an artifact was written without a manifest.")
-            old = None
-            if os.path.lexists(path):
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=parent))
-                os.rename(path, old / "previous")
-            os.rename(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            if os.path.lexists(path) and _exchange(tmp, path):
+                shutil.rmtree(tmp, ignore_errors=True)  # now holds the previous artifact
+            else:
+                _swap(tmp, path)
             _fsync_dir(parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
 
-def check_target(path: Path, fmt: str = FORMAT) -> None:
-    """ArtifactError unless ``path`` is free, an empty directory or an artifact (``writing`` replaces)."""
-    _check_replaceable(path, fmt)
+def _recover(path: Path) -> None:
+    """Leftovers of killed saves to ``path``: temporary directories go; a previous artifact set aside
+    while ``path`` is missing comes back."""
+    for stale in sorted(path.parent.glob(f".{glob.escape(path.name)}.old-*")):
+        previous = stale / "previous"
+        if not os.path.lexists(path) and previous.is_dir() and not previous.is_symlink():
+            os.rename(previous, path)
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
-def _check_replaceable(path: Path, fmt: str) -> None:
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    """``tmp`` replaces ``path`` with two renames; the previous artifact is restored if the second fails."""
+    old = None
+    if os.path.lexists(path):
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rename(path, old / "previous")
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None and not os.path.lexists(path):
+            os.rename(old / "previous", path)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_target(path: Path, kind: str) -> None:
+    """ArtifactError unless ``path`` is free, an empty directory or an artifact of ``kind``."""
+    _check_replaceable(path, kind)
+
+
+def _check_replaceable(path: Path, kind: str) -> None:
     if not os.path.lexists(path):
         return
     st = os.lstat(path)
@@ -192,14 +233,13 @@ def _check_replaceable(path: Path, fmt: str) -> None:
     if not any(path.iterdir()):
         return
     try:
-        ok = json.loads((path / MANIFEST).read_text()).get("format") == fmt
-    except (OSError, ValueError, AttributeError, RecursionError):
-        ok = False
-    if not ok:
+        parse_manifest(_read_manifest_bytes(path), str(path), kind)
+    except ArtifactError as e:
         raise ArtifactError(
-            f"{path} exists and is not a prx_compile artifact: it will not be overwritten.",
+            f"{path} exists and is not a prx_compile {kind} of this version ({e}): "
+            "it will not be overwritten.",
             "choose another path, or remove that directory.",
-        )
+        ) from e
 
 
 def _fsync_dir(path: Path) -> None:
@@ -232,7 +272,9 @@ class Reader:
             fds.append(fd)
             for i, part in enumerate(parts):
                 last = i == len(parts) - 1
-                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if last else os.O_DIRECTORY)
+                flags = (
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+                )
                 fd = os.open(part, flags, dir_fd=fd)
                 fds.append(fd)
             st = os.fstat(fd)
@@ -242,8 +284,10 @@ class Reader:
             why = "is a symbolic link" if e.errno in (40, 20) else "is missing or unreadable"
             raise ArtifactError(f"{self.root}: {rel} {why} ({e.strerror}).") from e
         try:
-            if not stat.S_ISREG(st.st_mode):
-                raise ArtifactError(f"{self.root}: {rel} is not a regular file.")
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise ArtifactError(
+                    f"{self.root}: {rel} is not a regular file of its own (a device, pipe or hard link)."
+                )
             if st.st_size != entry["bytes"]:
                 raise ArtifactError(
                     f"{self.root}: {rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
@@ -329,7 +373,7 @@ def _read_manifest_bytes(root: Path) -> bytes:
     dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
-            fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError as e:
             raise ArtifactError(
                 f"{root} is not a prx_compile artifact: {MANIFEST} is missing.",
@@ -341,8 +385,8 @@ def _read_manifest_bytes(root: Path) -> bytes:
         os.close(dir_fd)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ArtifactError(f"{root}/{MANIFEST} is not a regular file.")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise ArtifactError(f"{root}/{MANIFEST} is not a regular file of its own.")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ArtifactError(f"{root}/{MANIFEST} is {st.st_size} bytes: too large for a manifest.")
         return os.pread(fd, st.st_size, 0)
@@ -355,7 +399,7 @@ def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
     whoever reads them."""
     try:
         manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also huge integers
         raise ArtifactError(f"{where} is not valid JSON (corrupted or replaced): {str(e)[:120]}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{where} is not a {FORMAT} manifest.")
@@ -382,7 +426,7 @@ def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
             and 0 <= entry["bytes"] < 1 << 44
             and isinstance(entry["sha256"], list)
             and len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
-            and all(isinstance(h, str) and _HEX.match(h) for h in entry["sha256"])
+            and all(isinstance(h, str) and _HEX.fullmatch(h) for h in entry["sha256"])
         )
         if not ok:
             raise ArtifactError(f"{where}: files[{rel!r}] must be {{bytes, sha256 (one per 64 MiB)}}.")
@@ -402,13 +446,13 @@ def field(d: Any, key: str, kind: type | tuple[type, ...], where: str = "manifes
 
 
 # -- backend states ----------------------------------------------------------------------------
-_BLOB = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
+_BLOB = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")
 
 
 def write_state(writer: Writer, prefix: str, state) -> dict[str, Any]:
     """Write a BackendState's blobs and tensors under ``prefix/``; returns its manifest record."""
     for name, data in state.blobs.items():
-        if not _BLOB.match(name):
+        if not _BLOB.fullmatch(name):
             raise ArtifactError(f"cannot save a file named {name!r}.")
         writer.write_bytes(f"{prefix}/{name}", data)
     if state.tensors:
@@ -424,7 +468,7 @@ def read_state(reader: Reader, prefix: str, record: Any, where: str, device: tor
         raise ArtifactError(f"{where} must have exactly the keys ['blobs', 'meta', 'tensors'].")
     meta = field(record, "meta", dict, where)
     blobs = field(record, "blobs", list, where)
-    if not all(isinstance(b, str) and _BLOB.match(b) for b in blobs) or len(blobs) > 10_000:
+    if not all(isinstance(b, str) and _BLOB.fullmatch(b) for b in blobs) or len(blobs) > 10_000:
         raise ArtifactError(f"{where}.blobs must list file names.")
     state = BackendState(meta, {b: reader.read_bytes(f"{prefix}/{b}") for b in blobs})
     if field(record, "tensors", bool, where):

@@ -50,7 +50,7 @@ def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
         "model": model_config(backend.model),
         "class": type(backend.model).__name__,
         "shapes": backend.shapes.to_dict(),
-        "settings": cfg.engine_settings(),
+        "settings": {**cfg.engine_settings(), "dtype": str(next(backend.model.parameters()).dtype)},
         "versions": artifact.versions(cfg.backend == "tensorrt"),
         "gpu": artifact.gpu() if cfg.backend == "tensorrt" else None,
         "inputs": {k: str(v.dtype) for k, v in sorted(example.items())},
@@ -79,22 +79,32 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
                 load_s = time.perf_counter() - t0
                 logger.info("engine cache hit %s (%.1f s)", key, load_s)
                 return loaded, {"key": key, "load_s": load_s}
-            except ArtifactError as e:
+            except Exception as e:  # a damaged or foreign entry, whatever it raises: build instead
                 logger.warning("engine cache entry %s cannot be used (%s): building again", key, e)
         backend.build(example)
-        with artifact.writing(entry) as w:
-            record = artifact.write_state(w, "set", backend.state())
-            w.finish(
-                {
-                    "format": artifact.FORMAT,
-                    "format_version": artifact.FORMAT_VERSION,
-                    "kind": KIND,
-                    "created": artifact.now(),
-                    "shapes": backend.shapes.to_dict(),
-                    "set": record,
-                }
+        try:
+            store(entry, backend)
+        except (OSError, ArtifactError) as e:  # the engines are built: keep them, say the cache failed
+            logger.warning(
+                "engine cache entry %s could not be written (%s); the engines are used anyway", key, e
             )
         return backend, {"key": key, "load_s": None}
+
+
+def store(entry: Path, backend: Backend) -> None:
+    """Write ``backend``'s state as the cache entry ``entry`` (atomically)."""
+    with artifact.writing(entry, KIND) as w:
+        record = artifact.write_state(w, "set", backend.state())
+        w.finish(
+            {
+                "format": artifact.FORMAT,
+                "format_version": artifact.FORMAT_VERSION,
+                "kind": KIND,
+                "created": artifact.now(),
+                "shapes": backend.shapes.to_dict(),
+                "set": record,
+            }
+        )
 
 
 def load_entry(path: Path, like: Backend) -> Backend:
@@ -110,5 +120,5 @@ def load_entry(path: Path, like: Backend) -> Backend:
     state = artifact.read_state(reader, "set", m.get("set"), "manifest.set", like.config.device)
     try:
         return backend_class(like.config).from_state(like.model, like.config, shapes, state)
-    except ValueError as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ArtifactError(f"{path}: {e}") from e

@@ -200,7 +200,7 @@ def cmd_build(args) -> int:
     from . import compile_prx, save_compiled
     from .artifact import check_target
 
-    check_target(Path(args.out))  # before minutes of building: is the output path usable?
+    check_target(Path(args.out), "artifact")  # before minutes of building: is the output usable?
     backend = _backend(args)
     config = _config(args, backend)
     model = _transformer(args, config)
@@ -377,7 +377,9 @@ def cmd_inspect(args) -> int:
     for s in info["engine_sets"]:
         lines.append(f"  engine set   {s['shapes']}: {s['engines']} engine(s)")
     lora = info["lora"]
-    lines.append(f"  LoRA         {'none' if not lora else 'active ' + json.dumps(lora.get('active'))}")
+    lines.append(
+        f"  LoRA         {'none' if not lora else 'active ' + json.dumps(lora.get('active'), default=str)}"
+    )
     lines.append(
         f"  files        {info['files']} + manifest, {info['bytes'] / 1e6:.1f} MB, "
         + ("sizes and sha256 verified" if info["verified"] else "not verified (--no-verify)")

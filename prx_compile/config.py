@@ -31,7 +31,7 @@ ENGINE_KEYS = ("backend", "dtype", "attention", "select_as_slice", "weights", "o
 _PACKAGED = Path(__file__).resolve().parent / "configs"  # in a wheel
 _CHECKOUT = Path(__file__).resolve().parent.parent / "configs"  # in a source checkout (editable install)
 PRESET_DIR = _PACKAGED if _PACKAGED.is_dir() else _CHECKOUT
-_PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _aspect_bins(family: int) -> list[tuple[int, int]]:
@@ -309,7 +309,7 @@ class CompileConfig:
 
 def preset_path(name: str) -> Path:
     """The YAML file of preset ``name``, or a ConfigError listing the presets."""
-    if not _PRESET_NAME.match(name) or ".." in name:
+    if not _PRESET_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"{name!r} is neither a YAML file nor a preset name.",
             f"available presets: {list_presets()}; a file must end in .yaml.",

@@ -41,7 +41,7 @@ _ALPHA = re.compile(r"^(?P<mod>.+?)\.alpha$")
 _PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "diffusion_model.")
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 _FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass
@@ -325,7 +325,7 @@ def load_lora(
     """
     transformer, compiled = _target(model)
     state = _state(transformer)
-    if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+    if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
         raise LoRAError(f"adapter name {str(name)[:40]!r} must be 1-64 of [A-Za-z0-9_.-].")
     _check_scales([scale])
     if name in state.adapters:
@@ -428,7 +428,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
     linears = _linear_names(transformer)
     adapters = {}
     for name, data in adapters_data.items():
-        if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
             raise LoRAError(f"adapter name {str(name)[:40]!r} is not allowed.")
         if (
             not isinstance(data, dict)

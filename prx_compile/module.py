@@ -187,6 +187,10 @@ class CompiledTransformer(torch.nn.Module):
             problems.append(
                 f"encoder_hidden_states has shape {tuple(ehs.shape)}, expected (B, T, {cfg.context_in_dim})"
             )
+        if not problems and min(*hs.shape, *ehs.shape) < 1:
+            problems.append(
+                f"empty input: hidden_states {tuple(hs.shape)}, encoder_hidden_states {tuple(ehs.shape)}"
+            )
         if not problems:
             b, t = hs.shape[0], ehs.shape[1]
             if ehs.shape[0] != b:
@@ -228,12 +232,17 @@ class CompiledTransformer(torch.nn.Module):
                     "widen batch/aspect_bins/text_len or add the shape to specialize in the config, "
                     "or set on_shape_miss='build'.",
                 )
+            patch = self.config.patch_size
             self.backends.append(
-                make_backend(self.transformer, self.compile_config, ShapeRange.static(b, h, w, t))
+                make_backend(self.transformer, self.compile_config, ShapeRange.static(b, h, w, t, patch))
             )
             fits = [len(self.backends) - 1]
             t0 = time.perf_counter()
-            self._build_backend(fits[0])
+            try:
+                self._build_backend(fits[0])
+            except BaseException:
+                self.backends.pop()  # no half-made set stays behind
+                raise
             logger.warning(
                 "built engines for %s in %.1f s: it was outside every engine set (%s). Add it to "
                 "specialize (or widen the range) to build it ahead.",
@@ -276,6 +285,12 @@ class CompiledTransformer(torch.nn.Module):
             raise ConfigError(
                 f"attention_kwargs {sorted(attention_kwargs)} are not supported by a compiled transformer.",
                 "pass attention_kwargs=None.",
+            )
+        if getattr(self.transformer, "peft_config", None):  # layers replaced: the engines would not see them
+            raise ConfigError(
+                "the transformer holds PEFT adapters (diffusers' load_lora_weights), which a compiled "
+                "transformer cannot apply.",
+                "unload them and use prx_compile.load_lora, which updates the weights the engines read.",
             )
         with torch.no_grad():
             inputs = self._normalise(hidden_states, timestep, encoder_hidden_states, attention_mask)

@@ -39,6 +39,27 @@ def _reference(
     return out.transpose(1, 2)
 
 
+def _expect(ok: bool, message: str) -> None:
+    """Shape checks at the ops' boundary: kernels below index by these shapes (a Program loaded from
+    disk can call the ops, so nothing is assumed)."""
+    if not ok:
+        raise ValueError(f"prx_compile op: {message}")
+
+
+def _bld(name: str, t: torch.Tensor, b: int, h: int, d: int) -> int:
+    """Check a (B, L, H, D) tensor; returns L."""
+    _expect(
+        t.dim() == 4 and t.shape[0] == b and t.shape[2] == h and t.shape[3] == d,
+        f"{name} has shape {tuple(t.shape)}, expected ({b}, L, {h}, {d})",
+    )
+    return t.shape[1]
+
+
+def _key_mask(name: str, mask: torch.Tensor | None, b: int, lk: int) -> None:
+    if mask is not None:
+        _expect(tuple(mask.shape) == (b, lk), f"{name} has shape {tuple(mask.shape)}, expected {(b, lk)}")
+
+
 def _flash_supported(q: torch.Tensor) -> bool:
     return (
         q.is_cuda
@@ -124,6 +145,11 @@ def flash_attention(
         (B, Lq, H, D). CUDA fp16/bf16: boolean masks through varlen flash attention (exact), no mask
         through SDPA's fastest kernel. Otherwise (CPU, additive masks): PyTorch's SDPA.
     """
+    _expect(q.dim() == 4, f"q has shape {tuple(q.shape)}, expected (B, L, H, D)")
+    b, _, h, d = q.shape
+    lk = _bld("k", k, b, h, d)
+    _expect(_bld("v", v, b, h, d) == lk, "k and v have different lengths")
+    _key_mask("key_mask", key_mask, b, lk)
     if _flash_supported(q):
         if key_mask is None:
             out = F.scaled_dot_product_attention(
@@ -164,6 +190,14 @@ def joint_attention(
     Returns:
         (B, Lq, H, D) contiguous.
     """
+    _expect(q.dim() == 4, f"q has shape {tuple(q.shape)}, expected (B, L, H, D)")
+    b, _, h, d = q.shape
+    la, lb = _bld("k_a", k_a, b, h, d), _bld("k_b", k_b, b, h, d)
+    _expect(
+        _bld("v_a", v_a, b, h, d) == la and _bld("v_b", v_b, b, h, d) == lb,
+        "keys and values differ in length",
+    )
+    _key_mask("mask_a", mask_a, b, la)
     return _joint(q, k_a, v_a, mask_a, k_b, v_b, scale)
 
 
@@ -248,9 +282,26 @@ def prx_attention(
     Returns:
         (B, L, H*D), the input of ``to_out``.
     """
+    d = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    _expect(
+        heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
+    )
+    for name, w in (("k_weight", k_weight), ("text_k_weight", text_k_weight)):
+        _expect(
+            tuple(w.shape) == (d,) and w.dtype == q_weight.dtype, f"{name} must be ({d},) {q_weight.dtype}"
+        )
+    _expect(
+        img_qkv.dim() == 3 and img_qkv.shape[2] == 3 * heads * d, f"img_qkv has shape {tuple(img_qkv.shape)}"
+    )
     b, seq, _ = img_qkv.shape
+    _expect(
+        txt_kv.dim() == 3 and txt_kv.shape[0] == b and txt_kv.shape[2] == 2 * heads * d,
+        f"txt_kv has shape {tuple(txt_kv.shape)}",
+    )
     t = txt_kv.shape[1]
-    d = q_weight.shape[0]
+    _key_mask("text_mask", text_mask, b, t)
+    if rope is not None:
+        _expect(tuple(rope.shape) == (b, 1, seq, d // 2, 2, 2), f"rope has shape {tuple(rope.shape)}")
     qkv = img_qkv.reshape(b, seq, 3, heads, d)
     kv = txt_kv.reshape(b, t, 2, heads, d)
     if rope is not None:

@@ -91,8 +91,8 @@ OPS: dict[str, Callable] = _ops()
 #: Steps that only route values (not counted as work kept in PyTorch in reports).
 BOOKKEEPING = {"operator.getitem", "aten.sym_size.int"} | {k for k in OPS if k.startswith("operator.")}
 
-_VALUE = re.compile(r"^(in:[a-z_]+|w:[A-Za-z0-9_.]{1,200}|c:[A-Za-z0-9_.]{1,200}|v[0-9]{1,7})$")
-_ENGINE = re.compile(r"^[A-Za-z0-9_]{1,100}$")
+_VALUE = re.compile(r"in:[a-z_]+|w:[A-Za-z0-9_.]{1,200}|c:[A-Za-z0-9_.]{1,200}|v[0-9]{1,7}")
+_ENGINE = re.compile(r"[A-Za-z0-9_]{1,100}")
 _DTYPES = {
     str(d).split(".")[-1]: d
     for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
@@ -229,7 +229,7 @@ class Program:
             _keys(s, {"op", "engine", "args", "kwargs", "out"}, where)
             op, engine, out = s["op"], s["engine"], s["out"]
             if op == "engine":
-                if not isinstance(engine, str) or not _ENGINE.match(engine) or engine not in engines:
+                if not isinstance(engine, str) or not _ENGINE.fullmatch(engine) or engine not in engines:
                     raise ProgramError(
                         f"{where}.engine={str(engine)[:80]!r} is not an engine of this artifact"
                     )
@@ -237,13 +237,13 @@ class Program:
                 raise ProgramError(f"{where}.op={str(op)[:80]!r} is not an allowed operator")
             if not isinstance(s["args"], list) or not isinstance(s["kwargs"], dict):
                 raise ProgramError(f"{where}: args must be a list and kwargs a mapping")
-            if not all(isinstance(k, str) and re.match(r"^[a-z][a-z0-9_]{0,40}$", k) for k in s["kwargs"]):
+            if not all(isinstance(k, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,40}", k) for k in s["kwargs"]):
                 raise ProgramError(f"{where}.kwargs has a key that is not a keyword name")
             if op == "engine" and s["kwargs"]:
                 raise ProgramError(f"{where}: an engine takes no keyword arguments")
             for a in [*s["args"], *s["kwargs"].values()]:
                 _check_arg(a, known, defined, where, 0)
-            if not isinstance(out, str) or not re.match(r"^v[0-9]{1,7}$", out) or out in defined:
+            if not isinstance(out, str) or not re.fullmatch(r"v[0-9]{1,7}", out) or out in defined:
                 raise ProgramError(f"{where}.out={str(out)[:80]!r} must be a new result name v<n>")
             defined.add(out)
             steps.append(Step(op, list(s["args"]), dict(s["kwargs"]), out, engine))
@@ -272,7 +272,7 @@ def _check_arg(a: Any, known: dict[str, set[str]], defined: set[str], where: str
         raise ProgramError(f"{where}: argument {str(a)[:80]!r} is not an allowed value")
     ((kind, v),) = a.items()
     if kind == "ref":
-        if not isinstance(v, str) or not _VALUE.match(v):
+        if not isinstance(v, str) or not _VALUE.fullmatch(v):
             raise ProgramError(f"{where}: {str(v)[:80]!r} is not a value name")
         if v.startswith("v"):
             ok = v in defined
@@ -287,10 +287,10 @@ def _check_arg(a: Any, known: dict[str, set[str]], defined: set[str], where: str
         for x in v:
             _check_arg(x, known, defined, where, depth + 1)
     elif kind == "float":
-        if v not in ("inf", "-inf", "nan"):
+        if not isinstance(v, str) or v not in ("inf", "-inf", "nan"):
             raise ProgramError(f"{where}: float {str(v)[:20]!r} is not inf, -inf or nan")
     elif kind == "dtype":
-        if v not in _DTYPES:
+        if not isinstance(v, str) or v not in _DTYPES:
             raise ProgramError(f"{where}: dtype {str(v)[:20]!r} is not one of {sorted(_DTYPES)}")
     else:
         raise ProgramError(f"{where}: argument kind {str(kind)[:20]!r} is not allowed")
@@ -362,7 +362,7 @@ def from_graph_module(
                 if node.name in ACTIVATIONS:
                     inputs.append(node.name)
                     env[node] = {"ref": "in:" + node.name}
-                elif weight_names is not None and re.match(r"^weights_[0-9]+$", node.name):
+                elif weight_names is not None and re.fullmatch(r"weights_[0-9]+", node.name):
                     env[node] = {"ref": "w:" + weight_names[int(node.name.split("_")[1])]}
                 else:
                     raise ProgramError(f"unexpected graph input {node.name!r}")

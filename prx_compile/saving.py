@@ -52,12 +52,16 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
         raise ArtifactError(
             f"only diffusers' {MODEL_CLASS} can be saved, not {type(transformer).__name__}.",
         )
+    if next(transformer.parameters()).dtype not in DTYPES.values():
+        raise ArtifactError(
+            f"cannot save a {next(transformer.parameters()).dtype} model: use {sorted(DTYPES)}."
+        )
     module.build()
     cfg = module.compile_config
     originals, lora_tensors, lora_record = lora.export_state(transformer)
     weights = {k: originals.get(k, v) for k, v in transformer.state_dict().items()}
     model_record = {"class": MODEL_CLASS, "config": _model_config(transformer)}
-    with artifact.writing(path) as w:  # what decides the numbers goes into hashed files
+    with artifact.writing(path, KIND) as w:  # what decides the numbers goes into hashed files
         w.write_tensors(WEIGHTS, weights, {"prx_compile.model": json.dumps(model_record, sort_keys=True)})
         if lora_record is not None:
             w.write_tensors(LORA, lora_tensors, {"prx_compile.lora": json.dumps(lora_record, sort_keys=True)})
@@ -119,6 +123,13 @@ def load_compiled(
     m = reader.manifest
     config = _config(m, device, backend)
     rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ArtifactError(
+            f"the artifact runs on {config.device}, and this machine has no CUDA GPU.",
+            "load it with backend='eager', device='cpu' (its engine sets are then built again).",
+        )
+    if config.backend == "tensorrt" and not rebuild:
+        check_compatible(m)  # before any tensor is read
     model = _load_model(reader, config)
     if "lora" not in m:
         raise ArtifactError("manifest.lora is missing.")
@@ -145,8 +156,6 @@ def load_compiled(
     if rebuild:
         backends = [make_backend(model, config, s) for s in shapes] or None
     else:
-        if config.backend == "tensorrt":
-            check_compatible(m)
         backends = []
         for i, (rec, s) in enumerate(zip(records, shapes, strict=True)):
             state = artifact.read_state(
@@ -154,7 +163,7 @@ def load_compiled(
             )
             try:
                 backends.append(backend_class(config).from_state(model, config, s, state))
-            except ValueError as e:
+            except (ValueError, TypeError, KeyError, AttributeError) as e:  # a malformed state, named
                 raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
     compiled = CompiledTransformer(model, config, backends or None)
     compiled.load_s = time.perf_counter() - t0
@@ -177,20 +186,24 @@ def _config(m: dict[str, Any], device: str | torch.device | None, backend: str |
         raise ArtifactError(f"manifest.config is malformed ({e}).") from e
 
 
-def _check_value(key: str, v: Any) -> None:
-    if v is None or isinstance(v, bool):
-        return
-    if isinstance(v, int) and 0 <= v <= 1 << 16:
-        return
-    if isinstance(v, float) and math.isfinite(v) and abs(v) <= 1e9:
-        return
-    if (
-        isinstance(v, list)
-        and len(v) <= 16
-        and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 4096 for x in v)
-    ):
-        return
-    raise ArtifactError(f"manifest.model.config.{key}={str(v)[:60]} is not an allowed value.")
+def _check_value(key: str, v: Any, default: Any) -> None:
+    """A PRX setting of the type its constructor default has (a None default: an int, ints, None)."""
+
+    def small_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 1 << 16
+
+    if isinstance(default, bool):
+        ok = isinstance(v, bool)
+    elif isinstance(default, int):
+        ok = small_int(v) and (key != "depth" or v <= 256)
+    elif isinstance(default, float):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= 1e9
+    else:  # axes_dim, bottleneck_size: None by default
+        ok = (
+            v is None or small_int(v) or (isinstance(v, list) and 0 < len(v) <= 16 and all(map(small_int, v)))
+        )
+    if not ok:
+        raise ArtifactError(f"manifest.model.config.{key}={str(v)[:60]} is not an allowed value.")
 
 
 def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:
@@ -213,13 +226,11 @@ def _load_model(reader: artifact.Reader, config: CompileConfig) -> torch.nn.Modu
     if field(model_rec, "class", str, "manifest.model") != MODEL_CLASS:
         raise ArtifactError(f"manifest.model.class must be {MODEL_CLASS!r}.")
     cfg = field(model_rec, "config", dict, "manifest.model")
-    allowed = set(inspect.signature(PRXTransformer2DModel.__init__).parameters) - {"self"}
+    params = inspect.signature(PRXTransformer2DModel.__init__).parameters
     for key, v in cfg.items():
-        if key not in allowed:
+        if key not in params or key == "self":
             raise ArtifactError(f"manifest.model.config.{str(key)[:40]} is not a PRX setting.")
-        _check_value(key, v)
-    if cfg.get("depth", 0) > 256:
-        raise ArtifactError("manifest.model.config.depth is larger than 256.")
+        _check_value(key, v, params[key].default)
     try:
         with torch.device("meta"):
             model = PRXTransformer2DModel(**cfg)
@@ -233,7 +244,7 @@ def _load_model(reader: artifact.Reader, config: CompileConfig) -> torch.nn.Modu
         )
     dtypes = {t.dtype for t in state.values()}
     want = config.torch_dtype()
-    if len(dtypes) != 1 or (want is not None and dtypes != {want}):
+    if len(dtypes) != 1 or not dtypes <= set(DTYPES.values()) or (want is not None and dtypes != {want}):
         raise ArtifactError(
             f"{WEIGHTS} holds {sorted(map(str, dtypes))}, expected one dtype ({config.dtype})."
         )
@@ -283,34 +294,39 @@ def check_compatible(m: dict[str, Any]) -> None:
 
 def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
     """A summary of an artifact: versions, GPU, config, model, engine sets, LoRA, files. With
-    ``verify``, every file is checked first (a damaged artifact raises ArtifactError)."""
+    ``verify``, every file is checked first (a damaged artifact raises ArtifactError). Fields of an
+    unexpected type show as empty; ``load_compiled`` is what refuses them."""
     reader = artifact.open_artifact(path, kind=KIND, verify=verify)
     m = reader.manifest
-    cfg = field(m, "config", dict)
+
+    def mapping(d: Any, key: str) -> dict:
+        v = d.get(key) if isinstance(d, dict) else None
+        return v if isinstance(v, dict) else {}
+
+    cfg = mapping(m, "config")
     sets = []
-    for rec in field(m, "sets", list):
-        state = rec.get("state", {}) if isinstance(rec, dict) else {}
-        meta = state.get("meta", {}) if isinstance(state, dict) else {}
+    records = m.get("sets")
+    for rec in records if isinstance(records, list) else []:
         try:
-            desc = ShapeRange.from_dict(rec.get("shapes")).describe()
-        except (ValueError, AttributeError):
+            desc = ShapeRange.from_dict(rec.get("shapes") if isinstance(rec, dict) else None).describe()
+        except ValueError:
             desc = "?"
-        engines = meta.get("engines", {}) if isinstance(meta, dict) else {}
+        engines = mapping(mapping(rec, "state"), "meta").get("engines", {})
         sets.append({"shapes": desc, "engines": len(engines) if isinstance(engines, dict) else "?"})
     files = m["files"]
     return {
         "path": str(path),
         "format_version": m["format_version"],
-        "created": m.get("created"),
-        "versions": m.get("versions"),
-        "gpu": m.get("gpu"),
+        "created": str(m.get("created")),
+        "versions": {k: str(v) for k, v in mapping(m, "versions").items()},
+        "gpu": mapping(m, "gpu"),
         "backend": cfg.get("backend"),
         "attention": cfg.get("attention"),
         "weights": cfg.get("weights"),
         "dtype": cfg.get("dtype"),
-        "model": (m.get("model") or {}).get("class"),
+        "model": mapping(m, "model").get("class"),
         "engine_sets": sets,
-        "lora": m.get("lora"),
+        "lora": mapping(m, "lora") or None,
         "files": len(files),
         "bytes": sum(e["bytes"] for e in files.values()),
         "verified": verify,

@@ -159,6 +159,8 @@ def symlinked_dir(p: Path):
         (symlink_manifest, "is it a link"),
         (list_outside_file("../outside"), "not allowed in an artifact"),
         (list_outside_file("/etc/passwd"), "not allowed in an artifact"),
+        (list_outside_file("sets/x.engine\n"), "not allowed in an artifact"),
+        (lambda p: (p / MANIFEST).write_text('{"format": 1' + "1" * 5000 + "}"), "not valid JSON"),
         (symlinked_dir, "sets/x.engine is a symbolic link"),
         (
             lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}),
@@ -209,6 +211,22 @@ def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypat
             "prx_compile.model",
             {"class": "PRXTransformer2DModel", "config": {"theta": "1e4"}},
             "not an allowed value",
+        ),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"depth": None}},
+            "not an allowed",
+        ),
+        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"depth": [1]}}, "not an allowed"),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"mlp_ratio": "x"}},
+            "not an allowed",
+        ),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"resolution_embeds": 1}},
+            "not an allowed",
         ),
         (
             "prx_compile.lora",
@@ -590,3 +608,103 @@ def test_engine_cache_shared_by_two_processes(tmp_path):
     assert results[0]["sum"] == results[1]["sum"]
     entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(entries) == 1 and (entries[0] / MANIFEST).is_file()
+
+
+def test_engine_cache_keys_on_what_engines_depend_on(tmp_path):
+    """The same engines whether the config names the model's dtype or leaves it to the model; other
+    weights (a fine-tune) hit the same entry with weights as inputs."""
+    cfg = dict(RANGE, specialize=[[16, 16, 2]], engine_cache_dir=str(tmp_path / "cache"), backend="eager")
+    kw = prx_inputs(make_prx(), h=16, w=16, text=16)
+    first = compile_prx(make_prx(), **cfg)
+    first(**kw, return_dict=False)
+    second = compile_prx(make_prx(), dtype="fp32", **cfg)
+    second(**kw, return_dict=False)
+    tuned = make_prx(seed=7)
+    third = compile_prx(tuned, **cfg)
+    out = third(**kw, return_dict=False)[0]
+    assert [c.cache_hits[0]["load_s"] is not None for c in (first, second, third)] == [False, True, True]
+    torch.testing.assert_close(out, tuned(**kw, return_dict=False)[0], rtol=0, atol=1e-5)
+    other = compile_prx(make_prx(), attention="flash", **cfg)
+    other(**kw, return_dict=False)
+    assert other.cache_hits[0]["load_s"] is None  # another engine setting: another entry
+
+
+def test_weights_of_a_foreign_dtype_are_refused(artifact):
+    state = load_file(str(artifact / WEIGHTS))
+    meta = {"prx_compile.model": json.dumps(manifest(artifact)["model"])}
+    save_file({k: v.to(torch.int32) for k, v in state.items()}, str(artifact / WEIGHTS), metadata=meta)
+    rehash(artifact, WEIGHTS)
+    m = manifest(artifact)
+    m["config"]["dtype"] = None
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="expected one dtype"):
+        load_compiled(artifact)
+
+
+@pytest.mark.parametrize("what", ["fifo", "hardlink"])
+def test_special_files_are_refused(artifact, what):
+    if what == "fifo":
+        (artifact / MANIFEST).unlink()
+        os.mkfifo(artifact / MANIFEST)  # opening a FIFO must not block forever
+        match = "not a regular file"
+    else:
+        os.link(artifact / WEIGHTS, artifact.parent / "elsewhere.safetensors")
+        match = "hard link"
+    with pytest.raises(ArtifactError, match=match):
+        load_compiled(artifact)
+
+
+def test_inspect_survives_fields_of_the_wrong_type(artifact):
+    m = manifest(artifact)
+    m.update(model="x", versions=[1], gpu="y", lora=3, sets=[None, {"shapes": 1}])
+    write_manifest(artifact, m)
+    info = inspect_artifact(artifact)
+    assert info["model"] is None and info["versions"] == {} and info["lora"] is None
+    assert [s["shapes"] for s in info["engine_sets"]] == ["?", "?"]
+
+
+def test_a_gpu_artifact_on_a_cpu_machine_names_the_way_out(artifact):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    m = manifest(artifact)
+    m["config"]["device"] = "cuda"
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="no CUDA GPU.*backend='eager', device='cpu'"):
+        load_compiled(artifact)
+    assert load_compiled(artifact, device="cpu").compile_config.device == "cpu"
+
+
+def test_a_save_killed_between_its_renames_loses_nothing(artifact):
+    import prx_compile.artifact as a
+
+    aside = artifact.parent / ".art.old-killed"
+    aside.mkdir()
+    artifact.rename(aside / "previous")  # what a kill between the two renames leaves
+    (artifact.parent / ".art.tmp-killed").mkdir()
+    a._recover(artifact)
+    assert manifest(artifact)["kind"] == "artifact" and not aside.exists()
+    assert not (artifact.parent / ".art.tmp-killed").exists()
+    load_compiled(artifact)
+
+
+def test_cleanup_touches_only_its_own_leftovers(tmp_path, saved):
+    other = tmp_path / ".abc.tmp-in-progress"
+    other.mkdir()
+    save_compiled(load_compiled(saved[0]), tmp_path / "a*")
+    assert other.exists()
+
+
+def test_an_artifact_never_replaces_an_engine_cache_entry(tmp_path, saved):
+    cfg = dict(RANGE, specialize=[[16, 16, 2]], engine_cache_dir=str(tmp_path / "cache"), backend="eager")
+    ct = compile_prx(make_prx(), **cfg)
+    ct(**prx_inputs(make_prx(), h=16, w=16, text=16), return_dict=False)
+    entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith("."))
+    with pytest.raises(ArtifactError, match="not a prx_compile artifact"):
+        save_compiled(load_compiled(saved[0]), entry)
+
+
+def test_saving_a_float64_model_is_refused_before_any_build(tmp_path):
+    ct = compile_prx(make_prx().double(), backend="eager", specialize=[[16, 16, 2]], **RANGE)
+    with pytest.raises(ArtifactError, match="cannot save a torch.float64 model"):
+        save_compiled(ct, tmp_path / "x")
+    assert ct.builds == 0

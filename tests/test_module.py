@@ -210,3 +210,29 @@ def test_tensorrt_without_gpu_says_how_to_install(monkeypatch):
     with pytest.raises(BackendUnavailableError, match=r"needs Torch-TensorRT.*backend='inductor' or 'eager'"):
         compile_prx(model, device="cpu")
     trt_shim.torch_tensorrt.cache_clear()
+
+
+def test_a_failed_build_on_a_shape_miss_leaves_no_set_behind(monkeypatch):
+    from prx_compile.backends.pytorch import TorchBackend
+
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    n = len(ct.backends)
+
+    def boom(self, example):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(TorchBackend, "build", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ct(**prx_inputs(model, batch=3, h=16, w=16), return_dict=False)
+    assert len(ct.backends) == n
+
+
+def test_empty_inputs_and_peft_layers_are_refused():
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    with pytest.raises(ShapeOutOfRangeError, match="empty input"):
+        ct(**prx_inputs(model, batch=0, h=16, w=16), return_dict=False)
+    model.peft_config = {"default": object()}  # what diffusers' load_lora_weights leaves on the model
+    with pytest.raises(ConfigError, match="PEFT adapters.*prx_compile.load_lora"):
+        ct(**prx_inputs(model, h=16, w=16), return_dict=False)

@@ -52,6 +52,7 @@ def test_saved_provenance_is_validated():
     for bad in (
         {"x": ["no.such.weight", "t"]},
         {"x": ["blocks.0.attention.img_qkv_proj.weight", "exec"]},
+        {"x": [[1], "id"]},
         [],
     ):
         with pytest.raises(ValueError):

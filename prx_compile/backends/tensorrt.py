@@ -41,7 +41,7 @@ from . import trt_shim
 from .base import Backend, BackendState
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")
+_NAME = re.compile(r"[A-Za-z0-9_]{1,100}")
 _STEP_PREFIX = "model."  # PRXStep holds the transformer as ``model`` (weights="engine")
 
 
@@ -171,7 +171,9 @@ class TensorRTBackend(Backend):
         if meta["weights"] != config.weights:
             raise ValueError(f"weights={meta['weights']!r} does not match the config's {config.weights!r}")
         records = meta["engines"]
-        if not isinstance(records, dict) or not all(isinstance(n, str) and _NAME.match(n) for n in records):
+        if not isinstance(records, dict) or not all(
+            isinstance(n, str) and _NAME.fullmatch(n) for n in records
+        ):
             raise ValueError("engines must map engine names ([A-Za-z0-9_]) to records")
         params = {n for n, _ in model.named_parameters()}
         provenance = _check_provenance(meta["provenance"], params)
@@ -276,6 +278,7 @@ def _check_provenance(data: Any, params: set[str]) -> dict[str, tuple[str, str]]
     out = {}
     for k, v in data.items():
         ok = isinstance(k, str) and len(k) < 300 and isinstance(v, list) and len(v) == 2
+        ok = ok and all(isinstance(x, str) for x in v)
         if not ok or v[0] not in params or v[1] not in ("id", "t"):
             raise ValueError(f"provenance entry {str(k)[:80]!r} is malformed")
         out[k] = (v[0], v[1])

@@ -191,7 +191,7 @@ def runtime_cache_bytes(module: torch.nn.Module) -> bytes | None:
 
 
 # -- engine modules from bytes (no pickle) -----------------------------------------------------------
-_BINDING = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+_BINDING = re.compile(r"[A-Za-z0-9_.:\-]{1,200}")
 
 
 def engine_record(module: torch.nn.Module) -> dict[str, Any]:
@@ -215,7 +215,7 @@ def check_engine_record(rec: Any) -> dict[str, Any]:
         if (
             not isinstance(v, list)
             or len(v) > 10_000
-            or not all(isinstance(n, str) and _BINDING.match(n) for n in v)
+            or not all(isinstance(n, str) and _BINDING.fullmatch(n) for n in v)
         ):
             raise ValueError(f"engine record {key} must be a list of binding names")
     wmap = rec["weight_name_map"]
