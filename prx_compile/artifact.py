@@ -130,17 +130,23 @@ def _chunk_hashes(fd: int) -> list[str]:
 
     def one(offset: int) -> str:
         h = hashlib.sha256()
-        pos, end = offset, min(offset + CHUNK, size)
-        while pos < end:
-            block = os.pread(fd, min(1 << 24, end - pos), pos)
-            if not block:
-                break
+        for block in _blocks(fd, offset, min(offset + CHUNK, size)):
             h.update(block)
-            pos += len(block)
         return h.hexdigest()
 
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 2)) as pool:
         return list(pool.map(one, offsets))
+
+
+def _blocks(fd: int, start: int, end: int) -> Iterator[bytes]:
+    """The bytes [start, end) of a file, 16 MiB at a time (pread: no shared file position)."""
+    pos = start
+    while pos < end:
+        block = os.pread(fd, min(1 << 24, end - pos), pos)
+        if not block:
+            return
+        yield block
+        pos += len(block)
 
 
 @contextlib.contextmanager
@@ -309,15 +315,7 @@ class Reader:
 
     def read_bytes(self, rel: str) -> bytes:
         with self.open(rel) as fd:
-            size = os.fstat(fd).st_size
-            chunks, pos = [], 0
-            while pos < size:
-                block = os.pread(fd, min(1 << 26, size - pos), pos)
-                if not block:
-                    break
-                chunks.append(block)
-                pos += len(block)
-            return b"".join(chunks)
+            return b"".join(_blocks(fd, 0, os.fstat(fd).st_size))
 
     def read_tensors(
         self, rel: str, device: torch.device | str = "cpu"
