@@ -142,40 +142,14 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
     with transformers 5: see README, Limits), compiles and generates."""
     code = "import sys; from prx_compile.testing import tiny_pipeline as t; t().save_pretrained(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "prx")], check=True, capture_output=True)
-    r = run(
-        "generate",
-        "--checkpoint",
-        str(tmp_path / "prx"),
-        "--prompt",
-        "a cat",
-        "--steps",
-        "1",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--out-dir",
-        str(tmp_path / "o"),
-        "--config",
-        str(tmp_path / "c.yaml"),
-    )
+    args = ["generate", "--checkpoint", str(tmp_path / "prx"), "--prompt", "a cat", "--steps", "1"]
+    args += ["--out-dir", str(tmp_path / "o"), "--config", str(tmp_path / "c.yaml")]
+    r = run(*args, "--height", "32", "--width", "32")
     one_line_error(r, "c.yaml does not exist")
     (tmp_path / "c.yaml").write_text(
         "resolution: 32\naspect_bins: []\nvae_scale_factor: 1\ntext_len: [1, 16]\nspecialize: [[32, 32, 2]]\n"
     )
-    r = run(
-        "generate",
-        "--checkpoint",
-        str(tmp_path / "prx"),
-        "--prompt",
-        "a cat",
-        "--steps",
-        "1",
-        "--out-dir",
-        str(tmp_path / "o"),
-        "--config",
-        str(tmp_path / "c.yaml"),
-    )
+    r = run(*args)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o" / "000-a-cat.png").is_file()
 
