@@ -13,6 +13,14 @@ Phases (full-size PRX, 1.17 B, bf16, non-degenerate weights; pipeline text mask)
               time before and after, output against eager with the same LoRA -> lora_artifact.json
   artifact    save (size, seconds), load in a new process (seconds to a finished first step),
               bit-identical outputs; GPU memory with one engine set and with three -> lora_artifact.json
+  artifact_static  the same for the static preset (one engine set; from --cache when the fp8 phase
+              built it) -> artifact_static.json
+  fp8         precision fp8 at 1024² b2 against eager, torch.compile, torch.compile + torchao float8
+              and bf16 compile_prx (static) -> fp8_1024_b2.json (needs torchao importable)
+  fp8_more    fp8 at 1024² b1 and 512² b2 with eager and torch.compile -> fp8_more.json
+  fp8_pipeline  a 28-step PRXPipeline's final latents (fp8 compile_prx against bf16 eager); a
+              rank-64 LoRA switch with fp8 -> fp8_pipeline.json
+  fp8_inductor  the inductor backend with fp8 at 1024² b2, with eager -> fp8_inductor.json
 Each speedup in a file is a ratio of numbers from the same process and run.
 """
 
@@ -30,7 +38,7 @@ from pathlib import Path
 import torch
 
 from prx_compile import compile_prx, load_lora, save_compiled, set_lora, unload_lora
-from prx_compile.bench import Case, compile_path, environment, rel_err, run_bench, table, time_cuda
+from prx_compile.bench import PATHS, Case, compile_path, environment, rel_err, run_bench, table, time_cuda
 from prx_compile.lora import make_random_lora
 from prx_compile.testing import FULL_PRX, make_prx
 
@@ -102,17 +110,178 @@ def max_autotune(out: Path) -> None:
     print(table(res), flush=True)
 
 
-def lora_and_artifact(out: Path, phases: list[str]) -> None:
+FP8_STATIC = dict(static=True, specialize=[[1024, 1024, 2]])
+
+
+def fp8(out: Path, cache: str) -> None:
+    """fp8 and its peers at 1024² b2, one process, one run."""
+    res = run_bench(
+        [Case((1024, 1024), 2)],
+        {
+            "eager": lambda m: m,
+            "torch.compile": lambda m: torch.compile(m),
+            "compile_prx[static,bf16]": compile_path("prx-1024-bf16-static", engine_cache_dir=cache),
+            "compile_prx[static,fp8]": compile_path("prx-1024-fp8", **FP8_STATIC, engine_cache_dir=cache),
+            "torch.compile+torchao": PATHS["torch.compile+torchao"],
+        },
+        model=full_model(),
+        out_json=out / "fp8_1024_b2.json",
+    )
+    print(table(res), flush=True)
+
+
+def fp8_inductor(out: Path) -> None:
+    """The named alternative backend: inductor with fp8, against eager, at 1024² b2."""
+    res = run_bench(
+        [Case((1024, 1024), 2)],
+        {
+            "eager": lambda m: m,
+            "compile_prx[inductor,fp8]": compile_path("prx-1024-fp8", backend="inductor", **FP8_STATIC),
+        },
+        model=full_model(),
+        out_json=out / "fp8_inductor.json",
+    )
+    print(table(res), flush=True)
+
+
+def fp8_more(out: Path, cache: str) -> None:
+    """fp8 at 1024² b1 and 512² b2, with eager and torch.compile."""
+    model = full_model()
+    shapes = [[1024, 1024, 1], [512, 512, 2]]
+    res = run_bench(
+        [Case((1024, 1024), 1), Case((512, 512), 2)],
+        {
+            "eager": lambda m: m,
+            "torch.compile": lambda m: torch.compile(m),
+            "compile_prx[static,fp8]": compile_path(
+                "prx-1024-fp8", static=True, specialize=shapes, engine_cache_dir=cache
+            ),
+        },
+        model=model,
+        out_json=out / "fp8_more.json",
+    )
+    print(table(res), flush=True)
+
+
+def fp8_pipeline(out: Path, cache: str) -> None:
+    """A 28-step PRXPipeline's final latents (fp8 compile_prx against bf16 eager) and a rank-64 LoRA
+    switch with fp8."""
+    import copy
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, PRXPipeline
+
+    from prx_compile.testing import tiny_text_encoder, tiny_tokenizer
+
+    model = full_model()
+    res: dict = {"env": environment(), "records": []}
+    fp8_model = copy.deepcopy(model)
+    ct = compile_prx(fp8_model, config="prx-1024-fp8", **FP8_STATIC, engine_cache_dir=cache)
+    tok = tiny_tokenizer(256)
+    enc = tiny_text_encoder(len(tok), model.config.context_in_dim).to("cuda", torch.bfloat16)
+    pipe = PRXPipeline(
+        transformer=model,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=enc,
+        tokenizer=tok,
+        vae=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    args = dict(
+        prompt="a red car on the moon at night",
+        height=1024,
+        width=1024,
+        guidance_scale=4.0,
+        output_type="latent",
+        use_resolution_binning=False,
+        num_inference_steps=28,
+    )
+
+    def latents(transformer):
+        pipe.transformer = transformer
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lat = pipe(**args, generator=torch.Generator("cuda").manual_seed(0)).images
+        torch.cuda.synchronize()
+        return lat, time.perf_counter() - t0
+
+    ref, eager_s = latents(model)
+    latents(ct)  # builds or loads the engines
+    got, fp8_s = latents(ct)
+    rec: dict = {
+        "path": "pipeline",
+        "dtype": "fp8",
+        "steps": 28,
+        "eager_bf16_s": eager_s,
+        "compile_prx_fp8_s": fp8_s,
+        "final_latents_rel_err": rel_err(got, ref),
+        "nan": bool(torch.isnan(got).any()),
+    }
+    log(f"pipeline: {rec}")
+    kw = Case((1024, 1024), 2).inputs(model.config, torch.bfloat16, "cuda")
+    base = ct(**kw, return_dict=False)[0].clone()
+    a = make_random_lora(fp8_model, 64, seed=1, std=0.02)
+    b = make_random_lora(fp8_model, 64, seed=2, std=0.02)
+    timings = {}
+    for label, fn in (
+        ("load_s", lambda: load_lora(ct, a, "a")),
+        ("load_b_s", lambda: load_lora(ct, b, "b", scale=0.0)),
+        ("switch_s", lambda: set_lora(ct, "b")),
+        ("switch_back_s", lambda: set_lora(ct, "a")),
+    ):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        timings[label] = time.perf_counter() - t0
+    out_a = ct(**kw, return_dict=False)[0].clone()
+    ref_model = full_model()  # the same LoRA merged in bf16, then quantised: what fp8 should give
+    load_lora(ref_model, a, "a")
+    from prx_compile import fp8 as fp8_mod
+
+    fp8_mod.install(ref_model)
+    with torch.no_grad():
+        ref_a = ref_model(**kw, return_dict=False)[0]
+    del ref_model
+    set_lora(ct, "b")
+    set_lora(ct, "a")
+    a_again = torch.equal(ct(**kw, return_dict=False)[0], out_a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    unload_lora(ct)
+    torch.cuda.synchronize()
+    timings["unload_s"] = time.perf_counter() - t0
+    lora_rec = {
+        "path": "lora",
+        "dtype": "fp8",
+        "rank": 64,
+        **timings,
+        "rel_err_vs_fp8_eager_with_lora": rel_err(out_a, ref_a),
+        "lora_effect_rel": rel_err(out_a, base),
+        "a_b_a_bitexact": a_again,
+        "unload_bitexact": torch.equal(ct(**kw, return_dict=False)[0], base),
+    }
+    log(f"lora fp8: {lora_rec}")
+    res["records"] += [rec, lora_rec]
+    (out / "fp8_pipeline.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def lora_and_artifact(
+    out: Path,
+    phases: list[str],
+    config: str | None = None,
+    cache: str | None = None,
+    name: str = "lora_artifact",
+) -> None:
     model = full_model()
     case = Case((1024, 1024), 2)
     kw = case.inputs(model.config, torch.bfloat16, "cuda")
-    result: dict = {"env": environment(), "records": []}
-    path_file = out / "lora_artifact.json"
+    result: dict = {"env": environment(), "config": config or "default", "records": []}
+    path_file = out / f"{name}.json"
 
     def save():
         path_file.write_text(json.dumps(result, indent=1, default=str))
 
-    ct = compile_prx(model)  # the default: weights as inputs
+    ct = compile_prx(model, config=config, engine_cache_dir=cache)  # weights as inputs
     t0 = time.perf_counter()
     base = ct(**kw, return_dict=False)[0].clone()
     build_s = time.perf_counter() - t0
@@ -173,7 +342,7 @@ def lora_and_artifact(out: Path, phases: list[str]) -> None:
         save_compiled(ct, tmp / "art")  # builds the other two engine sets first
         save_s = time.perf_counter() - t0
         build_all_s = sum(b.build_s or 0 for b in ct.backends)
-        mem_three = torch.cuda.mem_get_info()
+        mem_all = torch.cuda.mem_get_info()
         size = sum(p.stat().st_size for p in (tmp / "art").rglob("*") if p.is_file())
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         torch.save({k: v.cpu() for k, v in kw.items()}, tmp / "kw.pt")
@@ -182,6 +351,7 @@ def lora_and_artifact(out: Path, phases: list[str]) -> None:
 import json, time, torch
 t_import = time.perf_counter()
 import prx_compile
+import torch_tensorrt, diffusers  # once per process; timed apart from the load
 from prx_compile import load_compiled
 t_import = time.perf_counter() - t_import
 t0 = time.perf_counter()
@@ -196,6 +366,11 @@ print(json.dumps({{"import_s": t_import, "load_s": load_s, "load_to_first_step_s
                   "bitexact": bool(torch.equal(out, want)), "builds": ct.builds}}))
 """
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        probe = Path(__file__).parent / "probes" / "profile_load.py"
+        prof = subprocess.run(
+            [sys.executable, str(probe), str(tmp / "art")], capture_output=True, text=True, timeout=600
+        )
+        (out / f"{name}_profile.txt").write_text(prof.stdout + prof.stderr[-2000:])
         loaded = (
             json.loads(p.stdout.strip().splitlines()[-1])
             if p.returncode == 0
@@ -212,7 +387,7 @@ print(json.dumps({{"import_s": t_import, "load_s": load_s, "load_to_first_step_s
                 "build_s_all_sets": build_all_s,
                 "first_set_build_s": build_s,
                 "gpu_mem_used_gb_one_set": (mem_one[1] - mem_one[0]) / 2**30,
-                "gpu_mem_used_gb_three_sets": (mem_three[1] - mem_three[0]) / 2**30,
+                "gpu_mem_used_gb_all_sets": (mem_all[1] - mem_all[0]) / 2**30,
                 **{
                     k: loaded.get(k)
                     for k in ("import_s", "load_s", "load_to_first_step_s", "bitexact", "builds", "error")
@@ -231,14 +406,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--phases", nargs="+", default=["perf"])
     ap.add_argument("--weights", nargs="+", default=["inputs", "engine"])
+    ap.add_argument("--cache", help="engine cache of the fp8 phases (default: a new temporary folder)")
     ap.add_argument("--no-peers", action="store_true", help="perf without eager and torch.compile")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    fp8_cache = args.cache or tempfile.mkdtemp()  # the fp8 phases share their 1024² b2 engines
     jobs = {
         "perf": lambda: perf(args.out, args.weights, not args.no_peers),
         "peers": lambda: max_autotune(args.out),
         "modes": lambda: modes(args.out),
         "lora": lambda: lora_and_artifact(args.out, args.phases),
+        "fp8": lambda: fp8(args.out, fp8_cache),
+        "fp8_more": lambda: fp8_more(args.out, fp8_cache),
+        "fp8_inductor": lambda: fp8_inductor(args.out),
+        "fp8_pipeline": lambda: fp8_pipeline(args.out, fp8_cache),
+        "artifact_static": lambda: lora_and_artifact(
+            args.out, ["artifact"], "prx-1024-bf16-static", fp8_cache, "artifact_static"
+        ),
     }
     if "artifact" in args.phases and "lora" not in args.phases:
         jobs["artifact"] = lambda: lora_and_artifact(args.out, args.phases)

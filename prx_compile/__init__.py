@@ -2,7 +2,8 @@
 
     pipe.transformer = compile_prx(pipe.transformer)
 
-The public API is this module's ``__all__``.
+``generate_images`` makes PNGs from prompts in one process or many (accelerate). The public API is
+this module's ``__all__``.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.prx_compile.*)
@@ -16,6 +17,7 @@ from .errors import (
     PRXCompileError,
     ShapeOutOfRangeError,
 )
+from .generate import generate_images
 from .lora import load_lora, set_lora, unload_lora
 from .module import CompiledTransformer, compile_prx
 from .saving import inspect_artifact, load_compiled, save_compiled
@@ -28,6 +30,7 @@ __all__ = [
     "save_compiled",
     "load_compiled",
     "inspect_artifact",
+    "generate_images",
     "load_lora",
     "set_lora",
     "unload_lora",

@@ -297,3 +297,50 @@ def qk_norm_rope(
         num_warps=4,
     )
     return out, (vout if v is not None else None)
+
+
+# -- FP8 row quantisation ------------------------------------------------------------------------
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_ROW_QUANT_KERNEL = None
+
+
+def row_quant_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (M, K) float8_e4m3fn and (M, 1) fp32 scales with ``x ~= q * scale`` row by row."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _row_quant_kernel():
+    global _ROW_QUANT_KERNEL
+    if _ROW_QUANT_KERNEL is not None:
+        return _ROW_QUANT_KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _row_quant(x, q, s, K, stride_x, BK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BK)
+        v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
+        y = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+        tl.store(q + row * K + cols, y.to(q.dtype.element_ty), mask=cols < K)
+        tl.store(s + row, scale)
+
+    _ROW_QUANT_KERNEL = (_row_quant, triton)
+    return _ROW_QUANT_KERNEL
+
+
+def row_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_quant_fp8_torch`` in one pass (one Triton program per row) on CUDA; the torch ops elsewhere."""
+    if not (x.is_cuda and triton_available()) or x.stride(-1) != 1 or x.shape[-1] > 1 << 15:
+        return row_quant_fp8_torch(x)
+    kernel, triton = _row_quant_kernel()
+    m, k = x.shape
+    q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    bk = triton.next_power_of_2(k)
+    kernel[(m,)](x, q, s, k, x.stride(0), BK=bk, num_warps=8 if bk >= 4096 else 4)
+    return q, s

@@ -2,13 +2,15 @@
 one process on the same weights and inputs (``run_bench`` and ``prx-compile bench``).
 
 A path is a name and a function that turns the eager transformer into something callable with PRX's
-forward kwargs. ``PATHS`` holds the peers (eager, torch.compile in two modes, plain MTTM) and
+forward kwargs. ``PATHS`` holds the peers (eager, torch.compile in two modes, plain MTTM,
+torch.compile + torchao float8) and
 ``compile_prx``; ``compile_path`` makes a compile_prx path for any config. Each path is built once, on
 the first case, then timed warm (warm-up calls, CUDA synchronised, median of ``iters`` calls).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -154,16 +156,40 @@ Factory = Callable[[torch.nn.Module], Callable[..., Any]]
 
 
 def compile_path(config: Any = None, **overrides: Any) -> Factory:
-    """A compile_prx path: ``compile_prx(model, config=config, **overrides)``."""
+    """A compile_prx path: ``compile_prx(model, config=config, **overrides)``. With ``precision:
+    fp8`` it compiles a copy of the model (FP8 quantises the block linears in place), so the paths
+    after it still run the original."""
+    from .config import CompileConfig
+
+    fp8 = CompileConfig.resolve(config, **overrides).precision == "fp8"
 
     def make(model):
         from .module import compile_prx
 
-        return compile_prx(model, config=config, **overrides)
+        return compile_prx(copy.deepcopy(model) if fp8 else model, config=config, **overrides)
 
     make.config = config if isinstance(config, str) else ("default" if config is None else "custom")
     make.weights = overrides.get("weights")
+    make.dtype = "fp8" if fp8 else None
     return make
+
+
+def _torchao_fp8(model):
+    """torch.compile + torchao float8 (row-wise dynamic activation scales, per-channel weight
+    scales) on the same block linears as ``precision: fp8``, on a copy of the model."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    from .fp8 import TARGETS
+
+    model = copy.deepcopy(model)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    quantize_(
+        model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and bool(TARGETS.match(fqn))
+    )
+    return torch.compile(model)
+
+
+_torchao_fp8.dtype = "fp8"
 
 
 def _mttm(model):
@@ -177,6 +203,7 @@ PATHS: dict[str, Factory] = {
     "torch.compile": lambda model: torch.compile(model),
     "torch.compile-max-autotune": lambda model: torch.compile(model, mode="max-autotune"),
     "plain_mttm": _mttm,
+    "torch.compile+torchao": _torchao_fp8,
     "compile_prx": compile_path(),
 }
 
@@ -233,7 +260,7 @@ def run_bench(
                 list(case.resolution),
                 case.batch,
                 case.mask,
-                dtype_name,
+                getattr(factory, "dtype", None) or dtype_name,
                 config=getattr(factory, "config", None),
                 weights=getattr(factory, "weights", None),
             )

@@ -12,9 +12,7 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -64,17 +62,22 @@ def _torch_dtype(args, config=None):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _config(args, backend: str):
-    """The CompileConfig of --config (or the tiny model's defaults) with --backend and the device."""
+def _config(args, backend: str, device: str | None = None):
+    """The CompileConfig of --config (or the tiny model's defaults) with --backend and the device
+    (``device``, else cuda when there is a GPU)."""
     from .config import CompileConfig
 
     overrides = {"backend": backend, "device": _device() if backend == "tensorrt" else "cpu"}
     if backend != "tensorrt" and _cuda():
         overrides["device"] = "cuda"
+    if device is not None:
+        overrides["device"] = device
     if getattr(args, "attention", None):
         overrides["attention"] = args.attention
     if getattr(args, "weights", None):
         overrides["weights"] = args.weights
+    if getattr(args, "precision", None):
+        overrides["precision"] = args.precision
     tiny = not getattr(args, "checkpoint", None) and not getattr(args, "random_full", False)
     base = args.config if args.config is not None else (TINY if tiny else None)
     return CompileConfig.resolve(base, **overrides)
@@ -104,11 +107,17 @@ def _transformer(args, config):
 
 
 def _pipeline(args, config, dtype):
-    """A PRXPipeline in ``dtype`` from --checkpoint, or the tiny random one."""
+    """A PRXPipeline in ``dtype`` from --checkpoint; with --random-full the 1.17 B random PRX with a
+    small random text encoder (256 tokens) and an 8x VAE; else the tiny random one (1x VAE)."""
     if args.checkpoint:
         from .pipeline import load_pipeline
 
         pipe = load_pipeline(args.checkpoint, torch_dtype=dtype)
+    elif getattr(args, "random_full", False):
+        from .testing import FULL_PRX, make_prx, tiny_pipeline
+
+        transformer = make_prx(FULL_PRX, dtype=dtype, device=config.device)
+        pipe = tiny_pipeline(transformer, text_len=256, vae_scale=8).to(dtype=dtype)
     else:
         from .testing import tiny_pipeline
 
@@ -122,6 +131,7 @@ def _summary_line(ct) -> str:
     sets = len(ct.backends)
     return (
         f"backend {rep['backend']}, attention {rep['attention']}, weights {rep['weights']}, "
+        f"precision {rep['precision']}, "
         f"{sets} engine set(s), {rep['engines']} engine(s) and {rep['torch_segments']} PyTorch segment(s) "
         f"per set, kept in PyTorch {rep['torch_ops'] or '{}'}"
     )
@@ -227,67 +237,148 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def _write_png(image, path: Path) -> None:
-    """Write the image to path atomically (a temporary file in the same folder, then rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            image.save(f, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _warm_up(pipe, height: int, width: int, guidance: float, binning: bool) -> None:
+    """Build (or load from the engine cache) the engine set these images run on and, on a GPU, run it
+    once (CUDA graph capture, first-call kernel set-up), so that generation starts warm."""
+    import torch
+
+    from .export import example_inputs
+
+    if binning:  # the pipeline maps the size to its closest aspect bin first
+        from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
+
+        bins = ASPECT_RATIO_BINS[pipe.default_sample_size]
+        height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins)
+    ct, f = pipe.transformer, pipe.vae_scale_factor
+    batch = 2 if guidance > 1 else 1
+    kw = example_inputs(
+        ct.config,
+        batch,
+        height // f,
+        width // f,
+        pipe.tokenizer.model_max_length,
+        dtype=ct.dtype,
+        device=ct.device,
+    )
+    ct.build(kw)
+    if ct.device.type == "cuda":
+        with torch.no_grad():
+            ct(**kw, return_dict=False)
+        torch.cuda.synchronize(ct.device)
+
+
+def _pipeline_factory(args):
+    """``factory(device) -> PRXPipeline`` for generate_images: the model of the arguments, compiled
+    (or --artifact's) for ``device``, its engine set for the images' shape built and warm. Several
+    processes share one engine cache: the config's engine_cache_dir, else $PRX_COMPILE_CACHE, else
+    (only in a run of several processes) ~/.cache/prx_compile/engines."""
+
+    def factory(device):
+        from accelerate import PartialState
+
+        from . import compile_prx, load_compiled
+        from .generate import CACHE_ENV, default_engine_cache, default_size
+
+        backend = _backend(args)
+        config = _config(args, backend, device=str(device))
+        several = PartialState().num_processes > 1  # generate_images has set it up
+        if not args.artifact and config.engine_cache_dir is None and (several or os.environ.get(CACHE_ENV)):
+            config = config.replace(engine_cache_dir=default_engine_cache())
+        loaded = None
+        if args.artifact:  # the pipeline takes the artifact's dtype
+            loaded = load_compiled(args.artifact, device=config.device, backend=args.backend)
+        pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
+        if loaded is not None:
+            if loaded.config.in_channels != pipe.transformer.config.in_channels:
+                raise CLIError(
+                    "the artifact's transformer does not fit this pipeline (latent channels differ)."
+                )
+            pipe.transformer = loaded
+        elif not args.no_compile:
+            pipe.transformer = compile_prx(pipe.transformer, config=config)
+        if not args.no_compile:
+            size = default_size(pipe)
+            height, width = args.height or size[0], args.width or size[1]
+            _warm_up(pipe, height, width, args.guidance, binning=bool(args.checkpoint))
+        return pipe
+
+    return factory
 
 
 def cmd_generate(args) -> int:
-    """Prompts to PNG files, with a compiled transformer (fresh, or loaded from --artifact)."""
-    import torch
-
-    from . import compile_prx, load_compiled
+    """Prompts to PNG files, with a compiled transformer (fresh, or loaded from --artifact), in this
+    process or, split by prompt index, in --num-processes processes (or under accelerate launch)."""
+    from .generate import RUN_ENV, format_summary, generate_images, launch
 
     prompts = _prompts(args)
-    backend = _backend(args)
-    config = _config(args, backend)
-    loaded = None
-    if args.artifact:  # the pipeline takes the artifact's dtype
-        loaded = load_compiled(args.artifact, device=config.device, backend=args.backend)
-    pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
-    tty = sys.stderr.isatty()
-    pipe.set_progress_bar_config(disable=args.quiet or not tty)
-    size = (1024, 1024) if args.checkpoint else (32, 32)
-    if loaded is not None:
-        if loaded.config.in_channels != pipe.transformer.config.in_channels:
-            raise CLIError("the artifact's transformer does not fit this pipeline (latent channels differ).")
-        pipe.transformer = loaded
-    elif not args.no_compile:
-        pipe.transformer = compile_prx(pipe.transformer, config=config)
-    if not args.no_compile:  # default size: the first engine set's (the first serving shape)
-        _, h, w, _ = pipe.transformer.backends[0].shapes.opt_point()
-        size = (h * pipe.vae_scale_factor, w * pipe.vae_scale_factor)
-    height, width = args.height or size[0], args.width or size[1]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        gen = torch.Generator(device="cpu").manual_seed(args.seed + i)
-        image = pipe(
-            prompt=prompt,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            height=height,
-            width=width,
-            generator=gen,
-            use_resolution_binning=bool(args.checkpoint),
-        ).images[0]
-        slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "image"
-        path = out_dir / f"{i:03d}-{slug}.png"
-        _write_png(image, path)
-        print(path, flush=True)
-        if not args.quiet and not tty:
-            print(
-                f"prx-compile: image {i + 1}/{len(prompts)} in {time.perf_counter() - t0:.1f} s",
-                file=sys.stderr,
-            )
+    n = args.num_processes
+    if n is not None and n < 1:
+        raise CLIError(f"--num-processes {n}: must be 1 or more.", "use 1 per GPU, e.g. --num-processes 2.")
+    # what every process would refuse alike is refused here, once, as one line
+    _config(args, _backend(args))
+    if args.checkpoint and not (Path(args.checkpoint) / "model_index.json").is_file():
+        raise CLIError(f"{args.checkpoint} is not a diffusers PRX folder: model_index.json is missing.")
+    if args.artifact and not Path(args.artifact).is_dir():
+        raise CLIError(f"--artifact {args.artifact}: no such directory.")
+    worker = bool(os.environ.get(RUN_ENV))  # one of the processes --num-processes started
+    under_accelerate = int(os.environ.get("WORLD_SIZE") or 1) > 1 and not worker
+    if n is not None and n > 1 and under_accelerate:
+        raise CLIError(
+            "--num-processes starts processes itself, and this is already one of "
+            f"{os.environ['WORLD_SIZE']} (accelerate launch or torchrun).",
+            "leave --num-processes out under accelerate launch.",
+        )
+    if n is not None and n > 1 and not worker:
+        if _cuda():
+            import torch
+
+            if n > torch.cuda.device_count():
+                raise CLIError(
+                    f"--num-processes {n}: this machine has {torch.cuda.device_count()} GPU(s).",
+                    "use one process per GPU; for several machines use accelerate launch (README).",
+                )
+        command = [sys.executable, "-m", "prx_compile", *args.argv, "--quiet"]
+        settings = {"seed": args.seed, "steps": args.steps, "guidance": args.guidance}
+        summary = launch(
+            command,
+            n,
+            prompts,
+            args.out_dir,
+            resume=args.resume,
+            summary_path=args.summary,
+            settings=settings,
+            show_progress=not args.quiet,
+        )
+    else:
+        # without compiling there is no engine set to take the size from: 32 (tiny, 1x VAE), else 1024
+        eager_size = (1024 if args.checkpoint or args.random_full else 32) if args.no_compile else None
+        summary = generate_images(
+            _pipeline_factory(args),
+            prompts,
+            args.out_dir,
+            steps=args.steps,
+            guidance=args.guidance,
+            height=args.height or eager_size,
+            width=args.width or eager_size,
+            seed=args.seed,
+            resume=args.resume,
+            summary_path=args.summary,
+            pipeline_kwargs={"use_resolution_binning": bool(args.checkpoint)},
+        )
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # this process is done with its group
+            dist.destroy_process_group()
+        if summary["kind"] != "summary":  # one rank of several: rank 0 (or the launcher) reports
+            return 0
+    print(format_summary(summary), flush=True)
+    if summary["missing"]:
+        print(
+            f"prx-compile: error: {len(summary['missing'])} of {summary['prompts']} images are missing "
+            f"(listed above and in {summary['summary_path']}); run the same command again to make them.",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     return 0
 
 
@@ -332,6 +423,8 @@ def cmd_bench(args) -> int:
             )
         if args.weights:
             overrides["weights"] = args.weights
+        if args.precision:
+            overrides["precision"] = args.precision
         paths["compile_prx"] = compile_path(args.config, **overrides)
     result = run_bench(
         cases,
@@ -364,7 +457,8 @@ def cmd_inspect(args) -> int:
     lines = [
         f"artifact {info['path']} (format {info['format_version']}, created {info['created']})",
         f"  model        {info['model']}, {info['dtype']}",
-        f"  backend      {info['backend']}, attention {info['attention']}, weights {info['weights']}",
+        f"  backend      {info['backend']}, attention {info['attention']}, weights {info['weights']}, "
+        f"precision {info['precision']}",
         f"  built with   torch {v.get('torch')}, diffusers {v.get('diffusers')}, "
         f"prx_compile {v.get('prx_compile')}"
         + (
@@ -471,6 +565,9 @@ def parser() -> argparse.ArgumentParser:
             "--attention", choices=["fused", "flash", "tensorrt"], help="override the config's attention"
         )
         sp.add_argument("--weights", choices=["inputs", "engine"], help="override the config's weights mode")
+        sp.add_argument(
+            "--precision", choices=["dtype", "fp8"], help="override the config's precision (fp8: FP8 GEMMs)"
+        )
 
     b = sub.add_parser("build", help="compile and write an artifact", formatter_class=fmt)
     common(b)
@@ -483,19 +580,55 @@ def parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(func=cmd_build)
 
-    g = sub.add_parser("generate", help="prompts to PNG files", formatter_class=fmt)
+    g = sub.add_parser(
+        "generate",
+        help="prompts to PNG files, on one GPU or several",
+        description="Prompts to PNG files. Image i (the prompt's index) uses seed + i and is written as "
+        "OUT_DIR/<i>-<slug>.png, so one process and N write the same files. --num-processes N splits "
+        "the prompts over N processes of this machine; `accelerate launch -m prx_compile generate ...` "
+        "does the same over accelerate's processes (several machines too). Existing PNGs are kept "
+        "(--resume); missing ones are listed and make the exit code 1.",
+        formatter_class=fmt,
+    )
     common(g)
     model_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line")
     g.add_argument("--artifact", help="use a saved artifact instead of compiling")
     g.add_argument("--no-compile", action="store_true", help="run the eager transformer")
-    g.add_argument("--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png)")
+    g.add_argument(
+        "--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png, NNN the prompt's index)"
+    )
     g.add_argument("--steps", type=_positive, default=28, help="denoising steps")
     g.add_argument("--guidance", type=float, default=4.0, help="guidance scale (> 1 doubles the batch)")
     g.add_argument("--height", type=_positive, help="pixels; default: the first engine set's size")
     g.add_argument("--width", type=_positive, help="pixels; default: the first engine set's size")
-    g.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
+    g.add_argument(
+        "--random-full",
+        action="store_true",
+        help="the 1.17 B PRX with random weights, a small random text encoder and an 8x VAE (benchmarks)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="image i (the prompt's index) uses seed + i, whatever the process count or the other "
+        "prompts; default 0",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=int,
+        metavar="N",
+        help="split the prompts over N processes of this machine, one GPU each (default: this process "
+        "only; under accelerate launch, its processes)",
+    )
+    g.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the PNGs that exist (each is written atomically) and make only the others",
+    )
+    g.add_argument("--summary", metavar="FILE", help="the run's summary JSON (default: OUT_DIR/summary.json)")
     g.set_defaults(func=cmd_generate)
 
     be = sub.add_parser(
@@ -508,12 +641,20 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--paths",
         nargs="+",
-        choices=["eager", "torch.compile", "torch.compile-max-autotune", "plain_mttm", "compile_prx"],
+        choices=[
+            "eager",
+            "torch.compile",
+            "torch.compile-max-autotune",
+            "torch.compile+torchao",
+            "plain_mttm",
+            "compile_prx",
+        ],
         default=["eager", "compile_prx"],
         help="what to time",
     )
     be.add_argument("--config", help="compile_prx's preset or YAML (default: a range around the cases)")
     be.add_argument("--weights", choices=["inputs", "engine"], help="compile_prx's weights mode")
+    be.add_argument("--precision", choices=["dtype", "fp8"], help="compile_prx's precision")
     be.add_argument(
         "--resolution",
         type=_positive,
@@ -547,7 +688,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    args.argv = argv  # generate --num-processes starts workers with the same arguments
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(message)s"
     )

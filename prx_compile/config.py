@@ -22,11 +22,20 @@ BACKENDS = ("tensorrt", "inductor", "eager")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ATTENTION = ("fused", "flash", "tensorrt")
 WEIGHTS = ("inputs", "engine")
+PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "error")
 BIN_FAMILIES = (256, 512, 1024)
 #: Settings an engine depends on (besides the model and its shapes): a change means new engines, and
 #: the engine cache and artifacts key on them. Everything else is a runtime switch.
-ENGINE_KEYS = ("backend", "dtype", "attention", "select_as_slice", "weights", "optimization_level")
+ENGINE_KEYS = (
+    "backend",
+    "dtype",
+    "precision",
+    "attention",
+    "select_as_slice",
+    "weights",
+    "optimization_level",
+)
 
 _PACKAGED = Path(__file__).resolve().parent / "configs"  # in a wheel
 _CHECKOUT = Path(__file__).resolve().parent.parent / "configs"  # in a source checkout (editable install)
@@ -51,6 +60,11 @@ class CompileConfig:
     backend: "tensorrt" (Torch-TensorRT engines), "inductor" (torch.compile of the lowered graph) or
         "eager" (the lowered graph as is). No silent fallback between them.
     dtype: "bf16" | "fp16" | "fp32": must be the transformer's dtype (None: take the model's).
+    precision: "dtype": every GEMM in ``dtype``; "fp8": the transformer blocks' linears (attention
+        projections and MLP) run FP8 GEMMs (``prx_compile.fp8``: per-output-channel weight scales,
+        per-token dynamic activation scales), everything else stays in ``dtype``. It quantises the
+        transformer's block linears in place, as torchao's ``quantize_`` does; their exact weights
+        stay, so a LoRA re-quantises the layers it changes. Needs ``weights: inputs``.
     attention: "fused": each PRX attention core (QK RMSNorm, RoPE, joint text+image attention) is one
         ``prx_compile::prx_attention`` op between engines (Triton + cuDNN on the GPU);
         "flash": the lowering rule's ``joint_attention`` op between engines (TensorRT does norm/RoPE);
@@ -79,6 +93,7 @@ class CompileConfig:
 
     backend: str = "tensorrt"
     dtype: str | None = None
+    precision: str = "dtype"
     attention: str = "fused"
     weights: str = "inputs"
     cuda_graphs: bool = True
@@ -108,6 +123,12 @@ class CompileConfig:
             choice("dtype", DTYPES)
         choice("attention", ATTENTION)
         choice("weights", WEIGHTS)
+        choice("precision", PRECISIONS)
+        if self.precision == "fp8" and self.weights != "inputs":
+            raise ConfigError(
+                "precision=fp8 needs weights=inputs.",
+                "the FP8 weights are engine inputs, re-quantised in place by a LoRA; drop weights: engine.",
+            )
         choice("on_shape_miss", ON_SHAPE_MISS)
         for key in ("cuda_graphs", "static", "select_as_slice"):
             if not isinstance(getattr(self, key), bool):

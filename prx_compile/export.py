@@ -212,6 +212,12 @@ def example_inputs(
     }
 
 
+def weight_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a step reads besides its activations, by FQN: every parameter, then every buffer (the
+    FP8 copies of ``precision: fp8``). With ``weights: inputs`` these are the graph's ``weights_*``."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
 class PRXStep(torch.nn.Module):
     """What ``export_prx`` exports: one transformer step, (B, C, H, W) out.
 
@@ -249,8 +255,8 @@ def export_prx(
         model: a PRXTransformer2DModel in eval mode.
         example: PRX forward kwargs (``ACTIVATIONS``), the shapes' tuning point.
         shapes: dynamic ranges (None or a static range: static shapes).
-        weights: "inputs" (parameters are the graph's ``weights_*`` inputs) or "engine" (parameters
-            are lifted as the program's parameters).
+        weights: "inputs" (parameters and buffers are the graph's ``weights_*`` inputs) or "engine"
+            (they are lifted as the program's parameters).
         fuse_attention: export with ``FusedPRXAttnProcessor`` (one ``prx_attention`` op per block).
 
     Returns:
@@ -258,13 +264,14 @@ def export_prx(
     """
     from .fusion import fused_attention_processors
 
-    names = [n for n, _ in model.named_parameters()] if weights == "inputs" else None
+    tensors = weight_tensors(model)
+    names = list(tensors) if weights == "inputs" else None
     kwargs = {k: example[k] for k in ACTIVATIONS}
     dyn = None
     if shapes is not None and not shapes.is_static():
         dyn = shapes.dynamic_shapes()
     if names is not None:
-        kwargs["weights"] = [p.detach() for _, p in model.named_parameters()]
+        kwargs["weights"] = [t.detach() for t in tensors.values()]
         if dyn is not None:
             dyn["weights"] = [None] * len(names)
     with (

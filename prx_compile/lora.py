@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import fp8
 from .errors import LoRAError
 from .module import CompiledTransformer
 
@@ -295,6 +296,8 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         for fqn, w in new.items():
             params[fqn].copy_(w)
     report: dict[str, Any] = {"changed": len(touched)}
+    if compiled is None:  # a compiled module does this in weights_changed
+        fp8.requantize(transformer, touched)
     if compiled is not None and touched:
         try:
             report["refit"] = compiled.weights_changed(sorted(touched))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import progress
+from . import fp8, progress
 from .backends import Backend, make_backend
 from .config import CompileConfig
 from .cudagraphs import CUDAGraphRunner
@@ -42,6 +42,8 @@ class CompiledTransformer(torch.nn.Module):
         object.__setattr__(self, "transformer", transformer)  # not a submodule: no duplicate params
         self.compile_config = config
         self._device = torch.device(config.device)
+        if config.precision == "fp8":
+            fp8.install(transformer)
         patch = transformer.config.patch_size
         if backends is None:
             sets = config.shape_sets(patch)
@@ -56,7 +58,11 @@ class CompiledTransformer(torch.nn.Module):
         self._graphs: dict[int, CUDAGraphRunner] = {}
         self._pool = None
         self._weights_at_capture: tuple | None = None
-        self._slots = [(m, n) for m in transformer.modules() for n, _ in m.named_parameters(recurse=False)]
+        self._slots = [
+            (m, n)
+            for m in transformer.modules()
+            for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        ]
         self.builds = 0
         self.cache_hits: list[dict[str, Any]] = []
         self.load_s: float | None = None
@@ -309,7 +315,9 @@ class CompiledTransformer(torch.nn.Module):
         return any(b.needs_refit and b.is_built for b in self.backends)
 
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
-        """Bring every built engine set up to date after these parameters changed in place."""
+        """Bring every built engine set (and, with ``precision: fp8``, the FP8 copies of the
+        weights) up to date after these parameters changed in place."""
+        fp8.requantize(self.transformer, names)
         total: dict[str, Any] = {"refit_s": 0.0, "engines_refit": 0}
         for backend in self.backends:
             if not backend.is_built:
@@ -338,6 +346,7 @@ class CompiledTransformer(torch.nn.Module):
             "backend": cfg.backend,
             "attention": cfg.attention,
             "weights": cfg.weights,
+            "precision": cfg.precision,
             "cuda_graphs": cfg.cuda_graphs and self._device.type == "cuda",
             "shapes": self.shapes.describe(),
             "engine_sets": sets,

@@ -6,6 +6,8 @@
 * ``torch.ops.prx_compile.flash_attention`` — attention under any (B, Lk) key mask.
 * ``torch.ops.prx_compile.prx_attention`` — PRX's whole attention core from the two projections'
   outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.fused_attention``).
+* ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
+  activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 
 The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
@@ -321,6 +323,42 @@ def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
 
 
+@torch.library.custom_op(f"{_LIB}::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """(..., K) @ (N, K).T -> (..., N) in x's dtype, as ``torch._scaled_mm`` over float8_e4m3fn.
+
+    ``weight_fp8`` (N, K) float8_e4m3fn and ``weight_scale`` (N,) fp32 (``fp8.quantize_weight``);
+    each row of ``x`` gets its own scale (``_kernels.row_quant_fp8``, one Triton pass on CUDA). On a
+    CPU the same quantisation runs with torch ops and PyTorch's CPU ``_scaled_mm``.
+    """
+    from ._kernels import row_quant_fp8
+
+    _expect(x.dim() >= 1 and weight_fp8.dim() == 2, "fp8_linear needs x (..., K) and a 2-D weight")
+    n, k = weight_fp8.shape
+    _expect(x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}")
+    _expect(weight_fp8.dtype == torch.float8_e4m3fn, f"weight_fp8 is {weight_fp8.dtype}, not float8_e4m3fn")
+    _expect(tuple(weight_scale.shape) == (n,), f"weight_scale is {tuple(weight_scale.shape)}, not ({n},)")
+    _expect(bias is None or tuple(bias.shape) == (n,), f"bias must have shape ({n},)")
+    lead = x.shape[:-1]
+    q, s = row_quant_fp8(x.reshape(-1, k).contiguous())
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-wise kernel writes bf16
+    out = torch._scaled_mm(
+        q, weight_fp8.t(), scale_a=s, scale_b=weight_scale.float().view(1, n), out_dtype=out_dtype
+    )
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.view(*lead, n)
+
+
+@fp8_linear.register_fake
+def _(x, weight_fp8, weight_scale, bias):
+    return x.new_empty((*x.shape[:-1], weight_fp8.shape[0]))
+
+
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
+FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default

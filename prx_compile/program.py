@@ -40,6 +40,7 @@ def _ops() -> dict[str, Callable]:
         prx.prx_attention.default,
         prx.joint_attention.default,
         prx.flash_attention.default,
+        prx.fp8_linear.default,
         aten.sym_size.int,
         aten.view.default,
         aten.reshape.default,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import artifact, lora
+from . import artifact, fp8, lora
 from .artifact import field
 from .backends import backend_class, make_backend
 from .config import DTYPES, CompileConfig
@@ -131,6 +131,8 @@ def load_compiled(
     if config.backend == "tensorrt" and not rebuild:
         check_compatible(m)  # before any tensor is read
     model = _load_model(reader, config)
+    if config.precision == "fp8":  # before the engine sets bind the FP8 weights they read
+        fp8.install(model)
     if "lora" not in m:
         raise ArtifactError("manifest.lora is missing.")
     if m["lora"] is not None or LORA in reader.files:
@@ -323,6 +325,7 @@ def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[st
         "backend": cfg.get("backend"),
         "attention": cfg.get("attention"),
         "weights": cfg.get("weights"),
+        "precision": cfg.get("precision", "dtype"),
         "dtype": cfg.get("dtype"),
         "model": mapping(m, "model").get("class"),
         "engine_sets": sets,

@@ -192,15 +192,21 @@ def tiny_text_encoder(vocab_size: int, hidden_size: int, seed: int = 0):
         return T5GemmaEncoder(config).eval()
 
 
-def tiny_vae(latent_channels: int = 4, seed: int = 0):
-    """A one-block AutoencoderKL (8x would need 4 blocks; this one is 1x: latents = pixels)."""
+def tiny_vae(latent_channels: int = 4, seed: int = 0, scale: int = 1):
+    """A small random AutoencoderKL that maps ``scale`` pixels to one latent (1, 2, 4 or 8: one block
+    per halving, 8 channels per block); the default 1x one has latents = pixels."""
     from diffusers import AutoencoderKL
 
+    blocks = {1: 1, 2: 2, 4: 3, 8: 4}.get(scale)
+    if blocks is None:
+        raise ValueError(f"scale={scale!r} is not one of 1, 2, 4, 8")
     torch.manual_seed(seed)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
+        block_out_channels=(8,) * blocks,
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=2,
@@ -212,12 +218,19 @@ def tiny_vae(latent_channels: int = 4, seed: int = 0):
 
 
 def tiny_pipeline(
-    transformer: torch.nn.Module | None = None, *, text_len: int = 16, vae: bool = True, seed: int = 0
+    transformer: torch.nn.Module | None = None,
+    *,
+    text_len: int = 16,
+    vae: bool = True,
+    vae_scale: int = 1,
+    seed: int = 0,
 ):
-    """A complete PRXPipeline with random tiny components (CPU-friendly, no download).
+    """A complete PRXPipeline with random small components (CPU-friendly, no download).
 
-    The VAE, if any, is a 1x autoencoder, so ``height``/``width`` are latent sizes; with
-    ``vae=False`` the pipeline returns latents (``output_type="latent"``) and assumes 8x.
+    ``transformer`` defaults to the tiny PRX; pass ``make_prx(FULL_PRX, ...)`` for the 1.17 B one (the
+    text encoder then takes its 2304-wide context). The VAE, if any, is ``vae_scale``x: with the
+    default 1x, ``height``/``width`` are latent sizes; with 8x, as PRX's own, 1024² images are 128²
+    latents. With ``vae=False`` the pipeline returns latents (``output_type="latent"``) and assumes 8x.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, PRXPipeline
 
@@ -229,5 +242,5 @@ def tiny_pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         text_encoder=encoder,
         tokenizer=tokenizer,
-        vae=tiny_vae(transformer.config.in_channels, seed) if vae else None,
+        vae=tiny_vae(transformer.config.in_channels, seed, scale=vae_scale) if vae else None,
     )

@@ -83,7 +83,11 @@ def test_generate_tiny_to_png(tmp_path):
         "002-a-red-car-on-the-moon.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix != ".png"]  # no temporary files left
+    leftovers = [p.name for p in (tmp_path / "out").iterdir() if p.suffix != ".png"]
+    assert leftovers == ["summary.json"]  # no temporary files or run records left
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["images"], summary["processes"], summary["missing"]) == (3, 1, [])
+    assert "3/3 images in" in r.stdout
 
 
 def test_build_inspect_then_generate_with_defaults(tmp_path):

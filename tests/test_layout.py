@@ -73,6 +73,7 @@ def test_public_api():
         "load_lora",
         "set_lora",
         "unload_lora",
+        "generate_images",
     ):
         assert name in prx_compile.__all__ and callable(getattr(prx_compile, name))
 

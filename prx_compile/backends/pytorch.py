@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import progress
-from ..export import ACTIVATIONS, export_prx
+from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import lower
 from .base import Backend, BackendState
 
@@ -42,7 +42,7 @@ class TorchBackend(Backend):
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {k: inputs[k] for k in ACTIVATIONS}
         if self.weight_names is not None:
-            params = dict(self.model.named_parameters())
+            params = weight_tensors(self.model)
             kwargs["weights"] = [params[n] for n in self.weight_names]
         return self.fn(**kwargs)
 

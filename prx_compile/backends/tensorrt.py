@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from .. import progress
 from ..errors import LoRAError
-from ..export import ACTIVATIONS, export_prx
+from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import ENGINE_RULES, lower
-from ..ops import FLASH_ATTENTION, JOINT_ATTENTION, PRX_ATTENTION
+from ..ops import FLASH_ATTENTION, FP8_LINEAR, JOINT_ATTENTION, PRX_ATTENTION
 from ..program import Program, from_graph_module
 from . import trt_shim
 from .base import Backend, BackendState
@@ -70,9 +72,14 @@ class TensorRTBackend(Backend):
             "immutable_weights": cfg.weights == "inputs",  # "engine": refittable
             "device": _cuda_device(cfg.device),
         }
-        if cfg.attention != "tensorrt":
-            required["torch_executed_ops"] = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION}
+        kept = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION} if cfg.attention != "tensorrt" else set()
+        if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
+            kept.add(FP8_LINEAR)
+        if kept:
+            required["torch_executed_ops"] = kept
         optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
+        if cfg.precision == "fp8":  # the few ops between two FP8 GEMMs (GELU * up) still go to TensorRT
+            optional["min_block_size"] = 1
         if cfg.optimization_level is not None:
             optional["optimization_level"] = cfg.optimization_level
         return trt_shim.compile_settings(required, optional)
@@ -102,7 +109,7 @@ class TensorRTBackend(Backend):
             lower(ep.graph_module, cfg.lowering())
         kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
         if names is not None:  # shapes only: Input.from_tensor would copy every weight
-            params = dict(self.model.named_parameters())
+            params = weight_tensors(self.model)
             kwarg_inputs["weights"] = [
                 ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
             ]
@@ -111,7 +118,7 @@ class TensorRTBackend(Backend):
             gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
         self.engines = {n: m for n, m in gm.named_children() if isinstance(m, trt_shim.engine_classes())}
         self.program, self.constants = from_graph_module(
-            gm, engines=set(self.engines), weight_names=names, params=dict(self.model.named_parameters())
+            gm, engines=set(self.engines), weight_names=names, params=weight_tensors(self.model)
         )
         for module in self.engines.values():
             trt_shim.use_runtime_cache(module, None)
@@ -175,7 +182,7 @@ class TensorRTBackend(Backend):
             isinstance(n, str) and _NAME.fullmatch(n) for n in records
         ):
             raise ValueError("engines must map engine names ([A-Za-z0-9_]) to records")
-        params = {n for n, _ in model.named_parameters()}
+        params = set(weight_tensors(model))
         provenance = _check_provenance(meta["provenance"], params)
         program = Program.from_json(
             meta["program"], engines=set(records), params=params, constants=set(state.tensors)
@@ -184,18 +191,25 @@ class TensorRTBackend(Backend):
         if extra:
             raise ValueError(f"unexpected files {sorted(extra)[:3]}")
         backend = cls(model, config, shapes)
-        device = torch.device(config.device)
+        device = _cuda_device(config.device)
         for name, rec in records.items():
-            rec = trt_shim.check_engine_record(rec)
-            blob = state.blobs.get(f"{name}.engine")
-            if blob is None:
+            trt_shim.check_engine_record(rec)
+            if f"{name}.engine" not in state.blobs:
                 raise ValueError(f"engine {name!r} has no .engine file")
-            try:
-                module = trt_shim.engine_module(blob, rec, name, device)
-                trt_shim.use_runtime_cache(module, state.blobs.get(f"{name}.rtcache"))
-            except Exception as e:  # TensorRT's own errors on bytes it cannot read
-                raise ValueError(f"TensorRT cannot load engine {name!r}: {type(e).__name__}: {e}") from e
-            backend.engines[name] = module
+
+        def load(name: str) -> torch.nn.Module:
+            with torch.cuda.device(device):  # the current device is per thread
+                try:
+                    blob = state.blobs[f"{name}.engine"]
+                    module = trt_shim.engine_module(blob, records[name], name, device)
+                    trt_shim.use_runtime_cache(module, state.blobs.get(f"{name}.rtcache"))
+                except Exception as e:  # TensorRT's own errors on bytes it cannot read
+                    raise ValueError(f"TensorRT cannot load engine {name!r}: {type(e).__name__}: {e}") from e
+            return module
+
+        # engines load side by side: deserialisation is most of an artifact's load time
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            backend.engines = dict(zip(records, pool.map(load, records), strict=True))
         backend.program = program
         backend.constants = {k: v.to(device) for k, v in state.tensors.items()}
         backend.provenance = provenance

@@ -1,0 +1,108 @@
+"""``precision: fp8``: the transformer blocks' linears as FP8 GEMMs.
+
+    install(transformer)          # block linears -> FP8Linear, in place (as torchao's quantize_ does)
+    requantize(transformer, ["blocks.0.gate_proj.weight"])   # after those weights changed in place
+
+Each targeted ``nn.Linear`` (a block's attention projections ``img_qkv_proj``, ``txt_kv_proj``,
+``to_out.0`` and MLP ``gate_proj``, ``up_proj``, ``down_proj``) becomes an ``FP8Linear``: the same
+module with the same ``weight`` parameter (the exact weights, which LoRA merges into), plus two
+non-persistent buffers derived from it, ``weight_fp8`` (out, in) float8_e4m3fn and ``weight_scale``
+(out,) fp32, one scale per output channel. Its forward is ``torch.ops.prx_compile.fp8_linear``:
+activations are quantised per token (row-wise dynamic scales) and multiplied by ``torch._scaled_mm``.
+Embedders, modulation and the final layer stay in the model's dtype.
+
+The buffers are engine inputs like every weight (``weights: inputs``), so re-quantising writes into
+them in place: CUDA graphs and engines stay valid, nothing is rebuilt.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ._kernels import FP8_MAX
+
+#: the block linears that run in FP8, by module name
+TARGETS = re.compile(
+    r"^blocks\.\d+\.(attention\.img_qkv_proj|attention\.txt_kv_proj|attention\.to_out\.0|"
+    r"gate_proj|up_proj|down_proj)$"
+)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class FP8Linear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward is an FP8 GEMM over its ``weight_fp8`` / ``weight_scale``.
+
+    ``weight`` and ``bias`` are the original module's parameters (the same tensors). Shapes:
+    x (..., in_features) -> (..., out_features), in x's dtype.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> FP8Linear:
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight = linear.weight
+        module.bias = linear.bias
+        q, scale = quantize_weight(linear.weight)
+        module.register_buffer("weight_fp8", q, persistent=False)
+        module.register_buffer("weight_scale", scale, persistent=False)
+        module.train(linear.training)
+        return module
+
+    def requantize(self) -> None:
+        """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight``, in place."""
+        q, scale = quantize_weight(self.weight)
+        with torch.no_grad():
+            self.weight_fp8.copy_(q)
+            self.weight_scale.copy_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.prx_compile.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
+
+
+def install(transformer: torch.nn.Module) -> int:
+    """Replace the block linears of ``transformer`` by ``FP8Linear`` in place (idempotent).
+
+    Returns how many modules run in FP8. Linears whose sizes FP8 GEMMs cannot take (not multiples of
+    16) stay as they are."""
+    count = 0
+    for name, module in list(transformer.named_modules()):
+        if not TARGETS.match(name) or not isinstance(module, torch.nn.Linear):
+            continue
+        if isinstance(module, FP8Linear):
+            count += 1
+            continue
+        if module.in_features % 16 or module.out_features % 16:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = transformer.get_submodule(parent_name)
+        parent._modules[attr] = FP8Linear.from_linear(module)  # ModuleList/Sequential index or attribute
+        count += 1
+    return count
+
+
+def requantize(transformer: torch.nn.Module, weight_names: list[str] | set[str]) -> int:
+    """Re-quantise the FP8 copies of these parameters (FQNs such as ``blocks.0.gate_proj.weight``);
+    other names are ignored. Returns how many modules were refreshed."""
+    modules = dict(transformer.named_modules())
+    done = 0
+    for fqn in weight_names:
+        module = modules.get(fqn.rpartition(".")[0])
+        if isinstance(module, FP8Linear) and fqn.endswith(".weight"):
+            module.requantize()
+            done += 1
+    return done
+
+
+def fp8_modules(transformer: torch.nn.Module) -> int:
+    """How many ``FP8Linear`` modules ``transformer`` has."""
+    return sum(isinstance(m, FP8Linear) for m in transformer.modules())

@@ -1,0 +1,753 @@
+"""Prompts to PNG files in one or many processes (one per GPU, on one machine or several), with accelerate.
+
+    from prx_compile import generate_images
+
+    def make_pipe(device):                       # called once per process, with its device
+        pipe = load_pipeline("path/to/prx", torch_dtype=torch.bfloat16).to(device)
+        pipe.transformer = compile_prx(pipe.transformer, device=str(device), engine_cache_dir="engines")
+        return pipe
+
+    summary = generate_images(make_pipe, prompts, "images", steps=28)
+
+Run the script as is (one process) or under ``accelerate launch`` (N processes); ``prx-compile
+generate --num-processes N`` launches N processes on this machine for you. The rules:
+
+- **Same images whatever the process count.** Image ``i`` (the prompt's index in ``prompts``) uses
+  ``torch.Generator("cpu").manual_seed(seed + i)`` and is written as ``<i>-<slug>.png``; neither
+  depends on the rank or on the other prompts, so 1 and N processes write byte-identical files
+  (given the same GPU model and the same engines, which the engine cache shares).
+- **The split.** Of N processes, rank r takes a contiguous block of indices: ``shares(len, N)[r]``
+  (accelerate's ``split_between_processes`` rule: the first ``len % N`` ranks take one more).
+- **Nothing lost.** Each PNG is written atomically (a temporary file, then a rename), so an existing
+  PNG is complete; with ``resume`` (the default) it is kept and not made again. A prompt that raises
+  is recorded with its error and the rank goes on with its other prompts.
+- **No collective after start-up.** Each rank writes its record (written, skipped, failed, timings,
+  engine builds) to ``<out_dir>/.prx-generate/<run>/rank-<r>.json`` when it ends; that is all the
+  ranks exchange, so a dead rank cannot hang the others. The run id comes from the launcher or, under
+  accelerate, from one broadcast right after the process group forms.
+- **One coordinator** (rank 0, or the ``--num-processes`` launcher) shows one progress bar for the
+  whole job (finished PNGs), waits for every rank's record or its death (a rank of this host whose
+  process is gone; under the launcher, a worker that exited), then lists the prompts without a PNG
+  ("missing") and writes the summary (``summary_path``, default ``<out_dir>/summary.json``).
+
+Timing: ``images_per_s`` counts the images made in this run over the generation window (the first
+rank's start of generation to the last rank's end); it leaves out process start, model load and
+engine builds, which happen in the pipeline factory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import progress
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+STATUS_DIR = ".prx-generate"
+#: Set by ``launch`` in its workers: the run id; the launcher coordinates, not rank 0.
+RUN_ENV = "PRX_COMPILE_RUN"
+#: The engine cache folder shared by the processes of a run (``default_engine_cache``).
+CACHE_ENV = "PRX_COMPILE_CACHE"
+#: Test hook: the rank with this number kills itself (SIGKILL) after loading, before its first image.
+TEST_KILL_ENV = "PRX_COMPILE_TEST_KILL_RANK"
+#: How long the processes of a run wait for each other to form the process group at start.
+START_TIMEOUT_S = 600
+#: How long a ready rank waits for the others to finish loading before it starts anyway (a rank of
+#: this host that died is noticed at once; one of another host only by this timeout).
+READY_TIMEOUT_S = 1800
+POLL_S = 0.25
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+# -- names, seeds, shares --------------------------------------------------------------------------
+def image_name(index: int, prompt: str, count: int) -> str:
+    """``<index>-<slug>.png``: the index zero-padded to 3 digits (more if ``count`` needs them), the
+    slug the prompt's first 40 lower-case ASCII letters and digits, dashes between words."""
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "image"
+    return f"{index:0{max(3, len(str(count - 1)))}d}-{slug}.png"
+
+
+def shares(count: int, world: int) -> list[range]:
+    """The prompt indices of each of ``world`` ranks: contiguous blocks, the first ``count % world``
+    ranks one longer (accelerate's ``split_between_processes`` rule)."""
+    per, extra = divmod(count, world)
+    out, start = [], 0
+    for r in range(world):
+        n = per + (1 if r < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def default_engine_cache() -> str:
+    """The engine cache folder processes of one machine share: ``$PRX_COMPILE_CACHE``, else
+    ``~/.cache/prx_compile/engines``."""
+    return os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "prx_compile" / "engines")
+
+
+def default_size(pipe: Any) -> tuple[int, int] | None:
+    """(height, width) in pixels of the compiled transformer's first engine set (its first serving
+    shape), or None when ``pipe.transformer`` is not compiled."""
+    backends = getattr(pipe.transformer, "backends", None)
+    if not backends:
+        return None
+    _, h, w, _ = backends[0].shapes.opt_point()
+    return h * pipe.vae_scale_factor, w * pipe.vae_scale_factor
+
+
+# -- files -----------------------------------------------------------------------------------------
+def write_png(image: Any, path: Path) -> None:
+    """Write the PIL image to ``path`` atomically (a temporary file in the same folder, then rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            image.save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _remove_old_runs(out_dir: Path, keep: str) -> None:
+    """Remove the status folders of earlier runs (only the coordinator, before any rank writes)."""
+    root = out_dir / STATUS_DIR
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.name != keep and d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _finished(out_dir: Path, names: list[str], resume: bool, since: float) -> list[bool]:
+    """Per prompt: does its PNG exist (and, without resume, was it written in this run)?"""
+    mtimes = {}
+    with os.scandir(out_dir) as it:
+        for entry in it:
+            if entry.name.endswith(".png"):
+                with contextlib.suppress(OSError):
+                    mtimes[entry.name] = entry.stat().st_mtime
+    return [n in mtimes and (resume or mtimes[n] >= since) for n in names]
+
+
+# -- processes -------------------------------------------------------------------------------------
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def _alive(pid: int) -> bool:
+    """Is process ``pid`` of this host running (a zombie counts as gone)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _process() -> tuple[Any, torch.device]:
+    """accelerate's PartialState (rank, world) and this process's device (``cuda:<local rank>``,
+    made the current CUDA device, or cpu). On a machine without CUDA, several processes form a gloo
+    group; PartialState only does so when told ``cpu=True``."""
+    from accelerate import PartialState
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    state = PartialState(
+        cpu=use_cpu or not torch.cuda.is_available(), timeout=timedelta(seconds=START_TIMEOUT_S)
+    )
+    device = torch.device(state.device)
+    if device.type == "cpu":
+        device = torch.device("cpu")  # accelerate numbers CPU processes cpu:<i>: one device here
+    elif device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return state, device
+
+
+def _run_id(state: Any) -> tuple[str, bool]:
+    """(this run's id, whether this process coordinates). A launcher passes the id (and coordinates);
+    under accelerate rank 0 makes one and broadcasts it, once, over a gloo group."""
+    given = os.environ.get(RUN_ENV)
+    if given:
+        if not _RUN_ID.fullmatch(given):
+            raise ConfigError(
+                f"{RUN_ENV}={given[:80]!r} is not a run id.", "unset it (the launcher sets it)."
+            )
+        return given, False
+    if state.num_processes == 1:
+        return uuid.uuid4().hex[:16], True
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=START_TIMEOUT_S))
+    box = [uuid.uuid4().hex[:16] if state.is_main_process else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    return box[0], state.is_main_process
+
+
+# -- one rank ------------------------------------------------------------------------------------
+def _gone_on_this_host(run_dir: Path, rank: int, host: str) -> str | None:
+    """Why rank ``rank`` ended without its record, if it ran on this host and its process is gone;
+    None while it may still report (running, not started yet, or on another host)."""
+    start = _read_json(run_dir / f"rank-{rank}.start.json")
+    if not start or start.get("host") != host or not isinstance(start.get("pid"), int):
+        return None
+    return None if _alive(start["pid"]) else f"process {start['pid']} is gone"
+
+
+def _wait_for_peers(run_dir: Path, world: int, rank: int, host: str) -> None:
+    """Start generating together: wait until every other rank is ready (loaded), finished, or gone,
+    so that the ranks' generation windows overlap and images/s measures them running side by side."""
+    (run_dir / f"rank-{rank}.ready").touch()
+    waiting = set(range(world)) - {rank}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while waiting and time.monotonic() < deadline:
+        waiting = {
+            r
+            for r in waiting
+            if not (run_dir / f"rank-{r}.ready").exists()
+            and not (run_dir / f"rank-{r}.json").exists()
+            and not _gone_on_this_host(run_dir, r, host)
+        }
+        if waiting:
+            time.sleep(POLL_S)
+    if waiting:
+        logger.warning(
+            "rank %d: ranks %s are not ready after %d s: starting without them",
+            rank,
+            sorted(waiting),
+            READY_TIMEOUT_S,
+        )
+
+
+def _make_image(pipe, prompt, index, *, seed, steps, guidance, height, width, pipeline_kwargs):
+    kwargs = {
+        "prompt": prompt,
+        "num_inference_steps": steps,
+        "guidance_scale": guidance,
+        "generator": torch.Generator(device="cpu").manual_seed(seed + index),
+        **pipeline_kwargs,
+    }
+    if height:
+        kwargs["height"] = height
+    if width:
+        kwargs["width"] = width
+    return pipe(**kwargs).images[0]
+
+
+def _run_share(
+    factory: Callable[[torch.device], Any],
+    prompts: Sequence[str],
+    names: list[str],
+    indices: range,
+    out_dir: Path,
+    run_dir: Path,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    resume: bool,
+    on_image: Callable[[], None] | None,
+    **call: Any,
+) -> dict[str, Any]:
+    """Make this rank's images; write and return its record (also when a prompt or the factory fails)."""
+    host, pid = socket.gethostname(), os.getpid()
+    _write_json(run_dir / f"rank-{rank}.start.json", {"rank": rank, "host": host, "pid": pid})
+    todo = [i for i in indices if not (resume and (out_dir / names[i]).is_file())]
+    skipped = sorted(set(indices) - set(todo))
+    record: dict[str, Any] = {
+        "kind": "rank",
+        "rank": rank,
+        "host": host,
+        "pid": pid,
+        "device": str(device),
+        "share": [indices.start, indices.stop],
+        "written": [],
+        "skipped": skipped,
+        "failed": {},
+        "error": None,
+        "setup_s": None,
+        "generate_s": 0.0,
+        "generate_start": None,
+        "generate_end": None,
+        "images_per_s": 0.0,
+        "engine_builds": None,
+        "engine_cache_loads": None,
+    }
+    try:
+        if not todo:  # everything resumed: no model to load
+            return record
+        t0 = time.perf_counter()
+        try:
+            pipe = factory(device)
+        except Exception as e:
+            if world == 1:  # nothing else to finish: the caller gets the error itself
+                raise
+            record["error"] = f"the pipeline factory failed: {_one_line(e)}"
+            record["failed"] = {str(i): record["error"] for i in todo}
+            logger.error("rank %d: %s", rank, record["error"])
+            return record
+        record["setup_s"] = round(time.perf_counter() - t0, 3)
+        if hasattr(pipe, "set_progress_bar_config"):
+            pipe.set_progress_bar_config(disable=True)  # the coordinator's bar is the only one
+        size = default_size(pipe) or (None, None)
+        call["height"], call["width"] = call["height"] or size[0], call["width"] or size[1]
+        if os.environ.get(TEST_KILL_ENV) == str(rank):
+            os.kill(pid, signal.SIGKILL)
+        _wait_for_peers(run_dir, world, rank, host)
+        record["generate_start"] = time.time()
+        t1 = time.perf_counter()
+        for i in todo:
+            try:
+                image = _make_image(pipe, prompts[i], i, **call)
+                write_png(image, out_dir / names[i])
+            except Exception as e:
+                record["failed"][str(i)] = _one_line(e)
+                logger.warning("rank %d: prompt %d (%r) failed: %s", rank, i, prompts[i][:60], _one_line(e))
+            else:
+                record["written"].append(i)
+            record["generate_s"] = round(time.perf_counter() - t1, 3)
+            record["generate_end"] = time.time()
+            if on_image is not None:
+                on_image()
+        if record["written"]:
+            record["images_per_s"] = round(len(record["written"]) / record["generate_s"], 4)
+        transformer = getattr(pipe, "transformer", None)
+        if hasattr(transformer, "builds"):  # a CompiledTransformer: engine sets built here / loaded
+            record["engine_builds"] = transformer.builds
+            record["engine_cache_loads"] = sum(1 for h in transformer.cache_hits if h["load_s"] is not None)
+        return record
+    finally:
+        _write_json(run_dir / f"rank-{rank}.json", record)
+
+
+# -- the coordinator -----------------------------------------------------------------------------
+class _JobBar:
+    """One bar for the job: finished PNGs of all ranks. In a terminal a tqdm bar on stderr; elsewhere
+    a line when the count changes (at most every 10 s) and one at the end."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        self.total, self.done, self.enabled = total, done, enabled
+        self.t0 = self.last_line = time.perf_counter()
+        self.bar = None
+        if enabled and progress._tty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=done, desc="generate", unit="image", file=sys.stderr)
+
+    def update(self, done: int) -> None:
+        if done == self.done:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        elif self.enabled and time.perf_counter() - self.last_line >= 10:
+            self.last_line = time.perf_counter()
+            print(f"prx-compile: generate: {done}/{self.total} images", file=sys.stderr, flush=True)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(
+                f"prx-compile: generate: {self.done}/{self.total} images, "
+                f"done in {time.perf_counter() - self.t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _coordinate(
+    prompts: Sequence[str],
+    names: list[str],
+    out_dir: Path,
+    run_dir: Path,
+    world: int,
+    gone: Callable[[int], str | None],
+    bar: _JobBar,
+    *,
+    resume: bool,
+    since: float,
+) -> tuple[dict[int, dict[str, Any]], dict[int, str], list[bool]]:
+    """Wait for every rank's record, or its end without one (``gone(rank)`` gives the reason, or
+    None while it may still report), updating the bar. Returns (records, ended, finished per prompt)."""
+    records: dict[int, dict[str, Any]] = {}
+    ended: dict[int, str] = {}
+    while True:
+        for r in range(world):
+            if r in records or r in ended:
+                continue
+            rec = _read_json(run_dir / f"rank-{r}.json")
+            reason = None if rec else gone(r)
+            if reason:  # it may have written its record just before it ended
+                rec = _read_json(run_dir / f"rank-{r}.json")
+            if rec:
+                records[r] = rec
+            elif reason:
+                ended[r] = reason
+        finished = _finished(out_dir, names, resume, since)
+        bar.update(sum(finished))
+        if len(records) + len(ended) == world:
+            return records, ended, finished
+        time.sleep(POLL_S)
+
+
+def _summary(
+    prompts: Sequence[str],
+    names: list[str],
+    world: int,
+    records: dict[int, dict[str, Any]],
+    ended: dict[int, str],
+    finished: list[bool],
+    *,
+    run_id: str,
+    started: float,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """The job's summary: images, seconds and images/s per rank and in total, the missing prompts."""
+    split = shares(len(prompts), world)
+    ranks: list[dict[str, Any]] = []
+    for r in range(world):
+        if r in records:
+            ranks.append({**records[r], "status": "finished"})
+        else:
+            ranks.append({"rank": r, "share": [split[r].start, split[r].stop], "status": ended[r]})
+    missing = []
+    for i, ok in enumerate(finished):
+        if ok:
+            continue
+        r = next(k for k, s in enumerate(split) if i in s)
+        if r in ended:
+            reason = f"rank {r} ended without a report ({ended[r]})"
+        else:
+            reason = records[r].get("failed", {}).get(str(i)) or f"rank {r} did not make it"
+        missing.append({"index": i, "prompt": prompts[i], "file": names[i], "rank": r, "reason": reason})
+    done = [rec for rec in records.values() if rec.get("written")]
+    written = sum(len(rec["written"]) for rec in done)
+    window = 0.0
+    if done:  # the first start of generation to the last end, over the ranks that made images
+        window = max(rec["generate_end"] for rec in done) - min(rec["generate_start"] for rec in done)
+    return {
+        "kind": "summary",
+        "run": run_id,
+        "processes": world,
+        "prompts": len(prompts),
+        "images": sum(finished),
+        "written": written,
+        "skipped": sum(len(rec.get("skipped", [])) for rec in records.values()),
+        "missing": missing,
+        "seconds": round(time.time() - started, 3),
+        "generate_s": round(window, 3),
+        "images_per_s": round(written / window, 4) if window > 0 else 0.0,
+        "images_per_s_sum_of_ranks": round(sum(rec.get("images_per_s", 0.0) for rec in done), 4),
+        "timing": "images_per_s: images written / (last rank's end - first rank's start of generation); "
+        "process start, model load and engine builds are outside it",
+        **settings,
+        "ranks": ranks,
+    }
+
+
+def _finish(summary: dict[str, Any], out_dir: Path, run_dir: Path, summary_path: str | Path | None) -> None:
+    path = Path(summary_path) if summary_path else out_dir / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, summary)
+    summary["summary_path"] = str(path)
+    shutil.rmtree(run_dir, ignore_errors=True)  # its records are in the summary
+    with contextlib.suppress(OSError):
+        run_dir.parent.rmdir()
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as text: totals, one line per rank, and the missing prompts."""
+    s = summary
+    lines = [
+        f"{s['images']}/{s['prompts']} images in {s['out_dir']} ({s['written']} made, {s['skipped']} "
+        f"kept from before) by {s['processes']} process(es): {s['images_per_s']:.3f} images/s over "
+        f"{s['generate_s']:.1f} s of generation, {s['seconds']:.1f} s in all"
+    ]
+    for r in s["ranks"]:
+        if r["status"] != "finished":
+            lines.append(f"  rank {r['rank']}: {r['status']} (prompts {r['share'][0]}..{r['share'][1] - 1})")
+            continue
+        engines = (
+            f"; engine sets built {r['engine_builds']}, loaded from the cache {r['engine_cache_loads']}"
+            if r.get("engine_builds") is not None
+            else ""
+        )
+        lines.append(
+            f"  rank {r['rank']} ({r['host']}, {r['device']}): {len(r['written'])} made, "
+            f"{len(r['skipped'])} kept, {len(r['failed'])} failed in {r['generate_s']:.1f} s: "
+            f"{r['images_per_s']:.3f} images/s{engines}"
+        )
+    if s["missing"]:
+        lines.append(f"missing {len(s['missing'])} of {s['prompts']} images:")
+        for m in s["missing"]:
+            lines.append(f"  {m['index']} {m['prompt'][:80]!r}: {m['reason']}")
+    lines.append(f"summary: {s.get('summary_path')}")
+    return "\n".join(lines)
+
+
+def _check(prompts: Any, steps: Any) -> list[str]:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise ConfigError("prompts must be a list of strings.", "pass e.g. ['a cat', 'a dog'].")
+    if not prompts:
+        raise ConfigError("no prompt given.", "pass at least one prompt.")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad:
+        raise ConfigError(f"prompt {bad[0]} is a {type(prompts[bad[0]]).__name__}, not a string.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps={steps!r} must be a positive integer.")
+    return list(prompts)
+
+
+# -- the API -------------------------------------------------------------------------------------
+def generate_images(
+    pipeline_factory: Callable[[torch.device], Any],
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    *,
+    steps: int = 28,
+    guidance: float = 4.0,
+    height: int | None = None,
+    width: int | None = None,
+    seed: int = 0,
+    resume: bool = True,
+    summary_path: str | Path | None = None,
+    pipeline_kwargs: dict[str, Any] | None = None,
+    show_progress: bool | None = None,
+) -> dict[str, Any]:
+    """Make one PNG per prompt in ``out_dir``, split over the processes of this run (see the module).
+
+    Args:
+        pipeline_factory: ``factory(device) -> PRXPipeline`` (any callable pipeline whose output has
+            ``.images``), called once per process with its device (``cuda:<local rank>`` or cpu), and
+            only if the process has images to make. Build engines in it so they stay out of the timing.
+        prompts: the job's prompts; image ``i`` is ``prompts[i]``, seed ``seed + i``.
+        out_dir: where ``<i>-<slug>.png`` go (created).
+        steps, guidance: denoising steps and guidance scale.
+        height, width: pixels; default: the compiled transformer's first engine set, else the pipeline's.
+        resume: keep PNGs that exist (default); False makes every image again.
+        summary_path: the summary JSON (default ``<out_dir>/summary.json``).
+        pipeline_kwargs: more keyword arguments for every pipeline call.
+        show_progress: the job's bar on the coordinator; default: as ``prx_compile.progress.reporting``.
+
+    Returns:
+        On the coordinating process (rank 0; the only one without accelerate): the summary, with
+        ``"missing"`` (prompts without a PNG: index, prompt, file, rank, reason) empty when all is
+        done. On the other ranks: that rank's record (``"kind": "rank"``).
+
+    Raises:
+        ConfigError: no prompts, a prompt that is not a string, or steps < 1.
+    """
+    prompts = _check(prompts, steps)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [image_name(i, p, len(prompts)) for i, p in enumerate(prompts)]
+    started = time.time()
+    state, device = _process()
+    run_id, coordinates = _run_id(state)
+    rank, world = state.process_index, state.num_processes
+    if coordinates:
+        _remove_old_runs(out_dir, keep=run_id)
+    run_dir = out_dir / STATUS_DIR / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    show = progress.enabled() if show_progress is None else show_progress
+    bar = (
+        _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show) if coordinates else None
+    )
+
+    def on_image() -> None:  # the coordinator's bar counts every rank's PNGs
+        bar.update(sum(_finished(out_dir, names, resume, started)))
+
+    call = dict(
+        seed=seed,
+        steps=steps,
+        guidance=guidance,
+        height=height,
+        width=width,
+        pipeline_kwargs=dict(pipeline_kwargs or {}),
+    )
+    try:
+        with progress.reporting(show and coordinates):  # the other ranks stay quiet
+            record = _run_share(
+                pipeline_factory,
+                prompts,
+                names,
+                shares(len(prompts), world)[rank],
+                out_dir,
+                run_dir,
+                rank,
+                world,
+                device,
+                resume=resume,
+                on_image=on_image if bar else None,
+                **call,
+            )
+    except BaseException:
+        if world == 1:  # no one else reads the run's records
+            shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.parent.rmdir()
+        if bar is not None:
+            bar.close()
+        raise
+    if not coordinates:
+        return record
+    host = socket.gethostname()
+    try:
+        records, ended, finished = _coordinate(
+            prompts,
+            names,
+            out_dir,
+            run_dir,
+            world,
+            lambda r: _gone_on_this_host(run_dir, r, host),
+            bar,
+            resume=resume,
+            since=started,
+        )
+    finally:
+        bar.close()
+    settings = {"out_dir": str(out_dir), "seed": seed, "steps": steps, "guidance": guidance}
+    summary = _summary(
+        prompts, names, world, records, ended, finished, run_id=run_id, started=started, settings=settings
+    )
+    _finish(summary, out_dir, run_dir, summary_path)
+    return summary
+
+
+def launch(
+    command: list[str],
+    num_processes: int,
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    *,
+    resume: bool = True,
+    summary_path: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Run ``command`` (a process that calls ``generate_images`` with these prompts, e.g.
+    ``python -m prx_compile generate ...``) as ``num_processes`` ranks on this machine, and coordinate
+    them: one bar, then the summary (as ``generate_images``'s coordinator returns it).
+
+    The workers get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as
+    torchrun sets them; the rendezvous store lives here (as torchrun's agent holds it), so it outlives
+    every worker. A worker that ends without its record (killed, crashed) is reported, never waited for.
+    """
+    from torch.distributed import TCPStore
+
+    prompts = list(prompts)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [image_name(i, p, len(prompts)) for i, p in enumerate(prompts)]
+    started = time.time()
+    run_id = uuid.uuid4().hex[:16]
+    _remove_old_runs(out_dir, keep=run_id)
+    run_dir = out_dir / STATUS_DIR / run_id
+    run_dir.mkdir(parents=True)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_WORLD_SIZE": str(num_processes),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        RUN_ENV: run_id,
+    }
+    bar = _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show_progress)
+    workers: list[subprocess.Popen] = []
+    try:
+        for r in range(num_processes):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            workers.append(subprocess.Popen(command, env=rank_env))
+
+        def gone(r: int) -> str | None:
+            code = workers[r].poll()
+            return None if code is None else _exit_reason(code)
+
+        records, ended, finished = _coordinate(
+            prompts, names, out_dir, run_dir, num_processes, gone, bar, resume=resume, since=started
+        )
+    except BaseException:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+        raise
+    finally:
+        bar.close()
+        for w in workers:  # reported: let each exit on its own, within a minute
+            try:
+                w.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait()
+        del store
+    summary = _summary(
+        prompts,
+        names,
+        num_processes,
+        records,
+        ended,
+        finished,
+        run_id=run_id,
+        started=started,
+        settings={"out_dir": str(out_dir), **(settings or {})},
+    )
+    _finish(summary, out_dir, run_dir, summary_path)
+    return summary

@@ -1,0 +1,142 @@
+"""precision: fp8 on the CPU: the FP8 GEMM op against its definition, the module swap, compiled vs
+eager, LoRA re-quantisation (exact switches), artifacts, config and cache keys."""
+
+import pytest
+import torch
+
+from prx_compile import CompileConfig, ConfigError, compile_prx, fp8, load_compiled, save_compiled
+from prx_compile._kernels import row_quant_fp8_torch
+from prx_compile.bench import rel_err
+from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
+from prx_compile.testing import make_prx
+
+from .conftest import eager, prx_inputs
+
+RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
+
+
+def test_row_quant_and_weight_quant_reconstruct_within_fp8_precision():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 3, 64)[:, None]  # rows of very different size
+    q, s = row_quant_fp8_torch(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 1)
+    back = q.float() * s
+    assert ((back - x).abs() <= x.abs().amax(1, keepdim=True) * 2**-4).all()  # 3 mantissa bits, per row
+    assert (q.float().abs().amax(1) == 448).all()  # each row uses the whole range
+    w8, ws = fp8.quantize_weight(x)
+    torch.testing.assert_close(w8.float() * ws[:, None], back, rtol=0, atol=0)
+
+
+def test_fp8_linear_is_scaled_mm_of_the_quantised_operands():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 7, 64, generator=g), torch.randn(48, 64, generator=g)
+    b = torch.randn(48, generator=g)
+    w8, ws = fp8.quantize_weight(w)
+    out = torch.ops.prx_compile.fp8_linear(x, w8, ws, b)
+    q, s = row_quant_fp8_torch(x.reshape(-1, 64))
+    definition = ((q.float() * s) @ (w8.float() * ws[:, None]).T + b).view(2, 7, 48)
+    torch.testing.assert_close(out, definition, rtol=1e-5, atol=1e-5)
+    exact = x @ w.T + b
+    assert 1e-3 < rel_err(out, exact) < 6e-2  # FP8, not silently full precision
+    with pytest.raises(ValueError, match="features"):
+        torch.ops.prx_compile.fp8_linear(x[..., :32], w8, ws, None)
+    with pytest.raises(ValueError, match="float8"):
+        torch.ops.prx_compile.fp8_linear(x, w, ws, None)
+
+
+def test_install_swaps_the_block_linears_in_place_and_keeps_the_weights():
+    model = make_prx()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = model.blocks[0].gate_proj.weight
+    assert fp8.install(model) == 6 * len(model.blocks)
+    assert fp8.install(model) == 6 * len(model.blocks)  # idempotent
+    assert isinstance(model.blocks[0].attention.to_out[0], fp8.FP8Linear)
+    for kept in (model.img_in, model.blocks[0].modulation.lin, model.final_layer.linear):
+        assert not isinstance(kept, fp8.FP8Linear)
+    assert model.blocks[0].gate_proj.weight is weight  # the same parameter, not a copy
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(backend):
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    full = eager(model, kw)
+    ct = compile_prx(model, backend=backend, precision="fp8", **RANGE)
+    assert fp8.fp8_modules(model) == 6 * len(model.blocks)
+    out = ct(**kw, return_dict=False)[0]
+    torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
+    assert 0 < rel_err(out, full) < 2e-2
+    assert ct.report()["torch_ops"]["prx_compile.fp8_linear.default"] == 6 * len(model.blocks)
+
+
+def test_lora_requantises_and_switches_exactly():
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    out0 = ct(**kw, return_dict=False)[0]
+    fp8_0 = {n: b.clone() for n, b in model.named_buffers()}
+    a = make_random_lora(model, 4, seed=1, std=0.1)
+    b = make_random_lora(model, 8, seed=2, std=0.1)
+    load_lora(ct, a, "a")
+    out_a = ct(**kw, return_dict=False)[0]
+    # the same LoRA merged into a fresh model, quantised afterwards: the same numbers
+    ref = make_prx()
+    load_lora(ref, a, "a")
+    fp8.install(ref)
+    torch.testing.assert_close(out_a, eager(ref, kw), rtol=0, atol=1e-5)
+    assert (out_a - out0).abs().max() > 1e-3
+    load_lora(ct, b, "b")
+    set_lora(ct, "b")
+    set_lora(ct, "a")
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], out_a, rtol=0, atol=0)
+    unload_lora(ct)
+    assert all(torch.equal(b, fp8_0[n]) for n, b in model.named_buffers())
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], out0, rtol=0, atol=0)
+
+
+def test_lora_on_an_fp8_model_without_compiling():
+    model = make_prx()
+    fp8.install(model)
+    kw = prx_inputs(model, h=16, w=16)
+    out0 = eager(model, kw)
+    load_lora(model, make_random_lora(model, 4, seed=3, std=0.1), "a")
+    assert (eager(model, kw) - out0).abs().max() > 1e-3
+    unload_lora(model)
+    torch.testing.assert_close(eager(model, kw), out0, rtol=0, atol=0)
+
+
+def test_artifact_roundtrip_with_a_lora(tmp_path):
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    load_lora(ct, make_random_lora(model, 4, seed=1, std=0.1), "a")
+    out = ct(**kw, return_dict=False)[0]
+    save_compiled(ct, tmp_path / "a")
+    loaded = load_compiled(tmp_path / "a", device="cpu")
+    assert loaded.compile_config.precision == "fp8"
+    assert fp8.fp8_modules(loaded.transformer) == 6 * len(model.blocks)
+    torch.testing.assert_close(loaded(**kw, return_dict=False)[0], out, rtol=0, atol=0)
+
+
+def test_config_and_cache_key():
+    with pytest.raises(ConfigError, match="precision=fp8 needs weights=inputs"):
+        CompileConfig(precision="fp8", weights="engine")
+    with pytest.raises(ConfigError, match="precision"):
+        CompileConfig(precision="int8")
+    cfg = CompileConfig.resolve("prx-1024-fp8")
+    assert cfg.precision == "fp8" and cfg.dtype == "bf16"
+    assert cfg.engine_settings() != cfg.replace(precision="dtype").engine_settings()
+
+
+def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):
+    from .test_cli import run
+
+    r = run("build", "--tiny", "--precision", "fp8", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    assert "precision fp8" in r.stdout
+    r = run("inspect", str(tmp_path / "a"))
+    assert r.returncode == 0 and "precision fp8" in r.stdout, r.stdout + r.stderr
+    r = run("build", "--tiny", "--precision", "fp8", "--weights", "engine", "--out", str(tmp_path / "b"))
+    assert r.returncode == 2 and "precision=fp8 needs weights=inputs" in r.stderr.strip().splitlines()[-1]

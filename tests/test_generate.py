@@ -1,0 +1,217 @@
+"""generate over several processes (gloo on a CPU, the tiny model, the eager backend): the same PNGs
+as one process, a killed rank reported as missing prompts and filled in by a rerun, a failing prompt
+that does not stop the others, and one-line errors for bad input."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from prx_compile import ConfigError, generate_images
+from prx_compile.generate import image_name, shares
+
+CMD = [shutil.which("prx-compile")] if shutil.which("prx-compile") else [sys.executable, "-m", "prx_compile"]
+# words of the tiny tokenizer's vocabulary; 7 prompts: 2 ranks take 4 and 3
+PROMPTS = [
+    "a red car on the moon",
+    "a cat",
+    "an astronaut riding a horse",
+    "a blue robot",
+    "a castle at night",
+    "a green forest river",
+    "a dog",
+]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("generate")
+    (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return d
+
+
+def run(work, *args, env=None, timeout=180):
+    """prx-compile generate on the tiny model (2 steps), sharing one engine cache in ``work``."""
+    full_env = {**os.environ, "PRX_COMPILE_CACHE": str(work / "engines"), **(env or {})}
+    cmd = CMD + ["generate", "--prompts-file", str(work / "prompts.txt"), "--steps", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def pngs(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.png"))}
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """The PNGs one process writes."""
+    r = run(work, "--out-dir", str(work / "one"))
+    assert r.returncode == 0, r.stderr
+    images = pngs(work / "one")
+    assert list(images) == [image_name(i, p, len(PROMPTS)) for i, p in enumerate(PROMPTS)]
+    assert len(set(images.values())) == len(PROMPTS)  # seed + index: every image differs
+    return images
+
+
+def test_two_processes_write_the_same_pngs_as_one(work, reference):
+    out = work / "two"
+    fresh_cache = {"PRX_COMPILE_CACHE": str(work / "engines-two")}
+    r = run(work, "--num-processes", "2", "--out-dir", str(out), env=fresh_cache)
+    assert r.returncode == 0, r.stderr
+    assert pngs(out) == reference  # byte for byte
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["processes"], summary["images"], summary["written"], summary["missing"]) == (2, 7, 7, [])
+    ranks = summary["ranks"]
+    assert [(r["rank"], r["share"], r["written"]) for r in ranks] == [
+        (0, [0, 4], [0, 1, 2, 3]),
+        (1, [4, 7], [4, 5, 6]),
+    ]
+    assert len({r["pid"] for r in ranks}) == 2 and all(r["images_per_s"] > 0 for r in ranks)
+    # one engine cache on the host: whichever rank came first built the engine set, the other loaded it
+    assert sorted((r["engine_builds"], r["engine_cache_loads"]) for r in ranks) == [(0, 1), (1, 0)]
+    # one progress report for the job (the coordinator's), none from the workers; the summary on stdout
+    progress_lines = [line for line in r.stderr.splitlines() if line.startswith("prx-compile: ")]
+    assert progress_lines, r.stderr
+    assert all(line.startswith("prx-compile: generate: ") for line in progress_lines), r.stderr
+    assert progress_lines[-1].startswith("prx-compile: generate: 7/7 images")
+    assert "7/7 images in" in r.stdout and "rank 1 (" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted([*reference, "summary.json"])  # no leftovers
+
+
+def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference):
+    out = work / "killed"
+    t0 = time.monotonic()
+    r = run(work, "--num-processes", "2", "--out-dir", str(out), env={"PRX_COMPILE_TEST_KILL_RANK": "1"})
+    assert time.monotonic() - t0 < 120  # no hang
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("prx-compile: error: 3 of 7 images are missing") and "Traceback" not in r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [m["index"] for m in summary["missing"]] == [4, 5, 6]  # exactly rank 1's prompts
+    assert [m["prompt"] for m in summary["missing"]] == PROMPTS[4:]
+    assert all(m["rank"] == 1 and "killed by SIGKILL" in m["reason"] for m in summary["missing"])
+    assert summary["ranks"][1]["status"] == "killed by SIGKILL"
+    assert summary["ranks"][0]["written"] == [0, 1, 2, 3]
+    assert "a castle at night" in r.stdout  # the missing prompts are printed too
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
+    assert sorted(kept) == sorted(list(reference)[:4])
+
+    r = run(work, "--num-processes", "2", "--out-dir", str(out))  # --resume is the default
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["written"], summary["skipped"], summary["missing"]) == (3, 4, [])
+    rank0, rank1 = summary["ranks"]
+    assert rank0["skipped"] == [0, 1, 2, 3] and rank0["setup_s"] is None  # nothing to do: no model loaded
+    assert rank1["written"] == [4, 5, 6]
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.png") if p.name in kept} == kept  # untouched
+    assert pngs(out) == reference
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from prx_compile import compile_prx, generate_images
+    from prx_compile.testing import tiny_pipeline
+
+    class FailsOnRobots:
+        '''The tiny pipeline, except that a prompt with "robot" raises (as a CUDA error or OOM would).'''
+
+        def __init__(self, pipe):
+            self.pipe, self.transformer, self.vae_scale_factor = pipe, pipe.transformer, pipe.vae_scale_factor
+
+        def set_progress_bar_config(self, **kw):
+            self.pipe.set_progress_bar_config(**kw)
+
+        def __call__(self, prompt, **kw):
+            if "robot" in prompt:
+                raise RuntimeError("the robot broke the pipeline\\nsecond line")
+            return self.pipe(prompt=prompt, **kw)
+
+    def factory(device):
+        pipe = tiny_pipeline().to(device)
+        pipe.transformer = compile_prx(
+            pipe.transformer, backend="eager", resolution=32, vae_scale_factor=1, aspect_bins=[],
+            text_len=[1, 16], specialize=[[32, 32, 2]],
+        )
+        return FailsOnRobots(pipe)
+
+    prompts = sys.argv[2:]
+    result = generate_images(
+        factory, prompts, sys.argv[1], steps=2, height=32, width=32,
+        pipeline_kwargs={"use_resolution_binning": False},
+    )
+    print(json.dumps({"kind": result["kind"], "missing": result.get("missing")}))
+    """
+)
+
+
+def test_api_under_a_torchrun_style_launch_a_failing_prompt_does_not_stop_the_others(work, tmp_path):
+    """Two processes as accelerate launch / torchrun start them (rank 0 coordinates): the prompt that
+    raises is reported with its error, every other image is written, the ranks exit 0."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    out = tmp_path / "out"
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "job.py"), str(out), *PROMPTS],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    main, other = (json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results)
+    assert main["kind"] == "summary" and other == {"kind": "rank", "missing": None}
+    assert [(m["index"], m["rank"]) for m in main["missing"]] == [(3, 0)]  # "a blue robot", rank 0's share
+    assert main["missing"][0]["reason"] == "RuntimeError: the robot broke the pipeline"
+    assert sorted(pngs(out)) == [image_name(i, p, 7) for i, p in enumerate(PROMPTS) if i != 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"][0]["failed"] == {"3": "RuntimeError: the robot broke the pipeline"}
+    assert summary["ranks"][1]["written"] == [4, 5, 6]
+    assert not (out / ".prx-generate").exists()  # the ranks' records live on in the summary only
+
+
+def test_help_says_how_seeds_are_chosen_and_bad_input_is_one_line(work, tmp_path):
+    r = subprocess.run(CMD + ["generate", "--help"], capture_output=True, text=True, timeout=60)
+    text = " ".join(r.stdout.split())
+    assert "image i (the prompt's index) uses seed + i, whatever the process count" in text
+    assert "--num-processes N" in text and "--no-resume" in text and "accelerate launch" in text
+    for args, message in (
+        (["--num-processes", "0"], "--num-processes 0: must be 1 or more"),
+        (["--num-processes", "2", "--prompts-file", str(tmp_path / "none.txt")], "none.txt does not exist"),
+    ):
+        r = run(work, *args, "--out-dir", str(tmp_path / "o"), timeout=60)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("prx-compile: error:") and message in last, r.stderr
+        assert "Traceback" not in r.stderr
+    r = subprocess.run(CMD + ["generate", "--num-processes", "2"], capture_output=True, text=True, timeout=60)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("prx-compile: error: no prompt given"), r.stderr
+    with pytest.raises(ConfigError, match="no prompt given"):
+        generate_images(lambda device: None, [], tmp_path / "o")
+    with pytest.raises(ConfigError, match="steps=0"):
+        generate_images(lambda device: None, ["a cat"], tmp_path / "o", steps=0)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_shares_and_names_do_not_depend_on_the_process_count():
+    for count in (0, 1, 7, 16, 101):
+        for world in (1, 2, 3, 8):
+            parts = shares(count, world)
+            assert [i for part in parts for i in part] == list(range(count))  # contiguous, in order
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+            sizes = [len(part) for part in parts]
+            assert sorted(sizes, reverse=True) == sizes  # the first ranks take one more
+    assert image_name(7, "A Cat, at night!", 7) == "007-a-cat-at-night.png"
+    assert image_name(7, "???", 1001) == "0007-image.png"
