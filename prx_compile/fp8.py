@@ -55,6 +55,7 @@ class FP8Linear(torch.nn.Linear):
         q, scale = quantize_weight(linear.weight)
         module.register_buffer("weight_fp8", q, persistent=False)
         module.register_buffer("weight_scale", scale, persistent=False)
+        module.quantized_version = linear.weight._version
         module.train(linear.training)
         return module
 
@@ -64,6 +65,13 @@ class FP8Linear(torch.nn.Linear):
         with torch.no_grad():
             self.weight_fp8.copy_(q)
             self.weight_scale.copy_(scale)
+        self.quantized_version = self.weight._version
+
+    def refresh(self) -> None:
+        """``requantize`` if ``weight`` changed in place since the last quantisation (PyTorch's
+        version counter: ``copy_``, ``load_state_dict``; not writes through ``.data``)."""
+        if self.weight._version != self.quantized_version:
+            self.requantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.prx_compile.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)

@@ -45,6 +45,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -79,11 +80,11 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 # -- names, seeds, shares --------------------------------------------------------------------------
-def image_name(index: int, prompt: str, count: int) -> str:
-    """``<index>-<slug>.png``: the index zero-padded to 3 digits (more if ``count`` needs them), the
-    slug the prompt's first 40 lower-case ASCII letters and digits, dashes between words."""
+def image_name(index: int, prompt: str) -> str:
+    """``<index>-<slug>.png``: the index zero-padded to at least 3 digits, the slug the prompt's first
+    40 lower-case ASCII letters and digits, dashes between words. It depends on nothing else."""
     slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40] or "image"
-    return f"{index:0{max(3, len(str(count - 1)))}d}-{slug}.png"
+    return f"{index:03d}-{slug}.png"
 
 
 def shares(count: int, world: int) -> list[range]:
@@ -140,20 +141,44 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a regular file (no link, FIFO or device; at most 1 MB), else None."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, 1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
     return data if isinstance(data, dict) else None
 
 
-def _remove_old_runs(out_dir: Path, keep: str) -> None:
-    """Remove the status folders of earlier runs (only the coordinator, before any rank writes)."""
+def _status_root(out_dir: Path) -> Path:
+    """``<out_dir>/.prx-generate``, refused when it is a link (records are written and removed there)."""
     root = out_dir / STATUS_DIR
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.name != keep and d.is_dir() and not d.is_symlink():
-                shutil.rmtree(d, ignore_errors=True)
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise ConfigError(f"{root} is a link or not a folder.", "remove it; generate makes it itself.")
+    return root
+
+
+def _remove_old_runs(out_dir: Path, keep: str) -> None:
+    """Remove the status folders of earlier runs (only the coordinator, before any rank writes):
+    folders named like run ids, not links, with no process of this host still running in them."""
+    root = _status_root(out_dir)
+    if not root.is_dir():
+        return
+    host = socket.gethostname()
+    for d in root.iterdir():
+        if d.name == keep or not _RUN_ID.fullmatch(d.name) or d.is_symlink() or not d.is_dir():
+            continue
+        starts = [_read_json(f) or {} for f in d.glob("rank-*.start.json")]
+        if any(st.get("host") == host and _valid_pid(st.get("pid")) and _alive(st["pid"]) for st in starts):
+            continue  # another run writing to the same folder right now
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _finished(out_dir: Path, names: list[str], resume: bool, since: float) -> list[bool]:
@@ -171,6 +196,37 @@ def _finished(out_dir: Path, names: list[str], resume: bool, since: float) -> li
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def _valid_pid(pid: Any) -> bool:
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 1
+
+
+_OPTIONAL_NUMBERS = ("setup_s", "engine_builds", "engine_cache_loads")
+
+
+def _valid_record(rec: dict[str, Any], rank: int) -> bool:
+    """A rank's record as ``_run_share`` writes it (it is read back from disk: check before use)."""
+
+    def ints(v):
+        return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    failed = rec.get("failed")
+    return (
+        rec.get("kind") == "rank"
+        and rec.get("rank") == rank
+        and ints(rec.get("written"))
+        and ints(rec.get("skipped"))
+        and isinstance(failed, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items())
+        and all(isinstance(rec.get(k), str) for k in ("host", "device"))
+        and all(rec.get(k) is None or number(rec[k]) for k in _OPTIONAL_NUMBERS)
+        and all(number(rec.get(k)) for k in ("generate_s", "images_per_s"))
+        and (not rec["written"] or all(number(rec.get(k)) for k in ("generate_start", "generate_end")))
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -243,7 +299,7 @@ def _gone_on_this_host(run_dir: Path, rank: int, host: str) -> str | None:
     """Why rank ``rank`` ended without its record, if it ran on this host and its process is gone;
     None while it may still report (running, not started yet, or on another host)."""
     start = _read_json(run_dir / f"rank-{rank}.start.json")
-    if not start or start.get("host") != host or not isinstance(start.get("pid"), int):
+    if not start or start.get("host") != host or not _valid_pid(start.get("pid")):
         return None
     return None if _alive(start["pid"]) else f"process {start['pid']} is gone"
 
@@ -434,6 +490,8 @@ def _coordinate(
             reason = None if rec else gone(r)
             if reason:  # it may have written its record just before it ended
                 rec = _read_json(run_dir / f"rank-{r}.json")
+            if rec and not _valid_record(rec, r):
+                rec, reason = None, "its record is malformed"
             if rec:
                 records[r] = rec
             elif reason:
@@ -595,14 +653,14 @@ def generate_images(
     prompts = _check(prompts, steps)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [image_name(i, p, len(prompts)) for i, p in enumerate(prompts)]
+    names = [image_name(i, p) for i, p in enumerate(prompts)]
     started = time.time()
     state, device = _process()
     run_id, coordinates = _run_id(state)
     rank, world = state.process_index, state.num_processes
     if coordinates:
         _remove_old_runs(out_dir, keep=run_id)
-    run_dir = out_dir / STATUS_DIR / run_id
+    run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     show = progress.enabled() if show_progress is None else show_progress
     bar = (
@@ -693,11 +751,11 @@ def launch(
     prompts = list(prompts)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [image_name(i, p, len(prompts)) for i, p in enumerate(prompts)]
+    names = [image_name(i, p) for i, p in enumerate(prompts)]
     started = time.time()
     run_id = uuid.uuid4().hex[:16]
     _remove_old_runs(out_dir, keep=run_id)
-    run_dir = out_dir / STATUS_DIR / run_id
+    run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(parents=True)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {
@@ -731,12 +789,17 @@ def launch(
         raise
     finally:
         bar.close()
-        for w in workers:  # reported: let each exit on its own, within a minute
-            try:
-                w.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+        try:
+            for w in workers:  # reported: let each exit on its own, within a minute
+                try:
+                    w.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    w.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop them now
+            for w in workers:
                 w.kill()
-                w.wait()
+            raise
         del store
     summary = _summary(
         prompts,

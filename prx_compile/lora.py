@@ -290,7 +290,7 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         if fqn not in state.originals:
             state.originals[fqn] = params[fqn].detach().clone()
     new = _weights_for(transformer, state, active, touched)
-    refit = compiled is not None and compiled.needs_refit
+    refit = compiled is not None and (compiled.needs_refit or fp8.fp8_modules(transformer) > 0)
     previous = {fqn: params[fqn].detach().clone() for fqn in touched} if refit else None
     with torch.no_grad():
         for fqn, w in new.items():

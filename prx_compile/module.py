@@ -42,8 +42,6 @@ class CompiledTransformer(torch.nn.Module):
         object.__setattr__(self, "transformer", transformer)  # not a submodule: no duplicate params
         self.compile_config = config
         self._device = torch.device(config.device)
-        if config.precision == "fp8":
-            fp8.install(transformer)
         patch = transformer.config.patch_size
         if backends is None:
             sets = config.shape_sets(patch)
@@ -53,6 +51,8 @@ class CompiledTransformer(torch.nn.Module):
                     f"engine set {odd[0]}: latent sizes must be multiples of the patch size {patch}.",
                     f"use pixel sizes that are multiples of {patch * config.vae_scale_factor}.",
                 )
+        self._fp8 = self._precision(transformer, config)
+        if backends is None:
             backends = [make_backend(transformer, config, s) for s in sets]
         self.backends: list[Backend] = backends
         self._graphs: dict[int, CUDAGraphRunner] = {}
@@ -66,6 +66,27 @@ class CompiledTransformer(torch.nn.Module):
         self.builds = 0
         self.cache_hits: list[dict[str, Any]] = []
         self.load_s: float | None = None
+
+    def _precision(self, transformer: torch.nn.Module, config: CompileConfig) -> list[fp8.FP8Linear]:
+        """Apply ``precision`` (checked first, so a refused config leaves the model as it was);
+        returns the FP8 modules."""
+        if config.precision != "fp8":
+            if fp8.fp8_modules(transformer):
+                raise ConfigError(
+                    f"this transformer's block linears are FP8 (precision=fp8 was applied before), "
+                    f"and this config asks for precision={config.precision}.",
+                    "compile it with precision='fp8', or start from a transformer without it.",
+                )
+            return []
+        if self._device.type == "cuda" and torch.cuda.get_device_capability(self._device) < (8, 9):
+            raise ConfigError(
+                f"precision=fp8 needs FP8 GEMMs (compute capability 8.9 or newer); {self._device} has "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(self._device)))}.",
+                "use precision: dtype on this GPU.",
+            )
+        if not fp8.install(transformer):
+            raise ConfigError("precision=fp8: no block linear of this transformer can run in FP8.")
+        return [m for m in transformer.modules() if isinstance(m, fp8.FP8Linear)]
 
     # -- what the pipeline reads ----------------------------------------------------------------
     @property
@@ -262,6 +283,8 @@ class CompiledTransformer(torch.nn.Module):
         return self.backends[i]
 
     def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        for module in self._fp8:  # weights edited in place outside load_lora (load_state_dict, copy_)
+            module.refresh()
         if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
             return backend(**inputs)
         weights = tuple(getattr(m, n).data_ptr() for m, n in self._slots)

@@ -140,3 +140,24 @@ def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):
     assert r.returncode == 0 and "precision fp8" in r.stdout, r.stdout + r.stderr
     r = run("build", "--tiny", "--precision", "fp8", "--weights", "engine", "--out", str(tmp_path / "b"))
     assert r.returncode == 2 and "precision=fp8 needs weights=inputs" in r.stderr.strip().splitlines()[-1]
+
+
+def test_refused_configs_leave_the_model_alone_and_fp8_is_not_silently_dropped():
+    model = make_prx()
+    with pytest.raises(ConfigError, match="multiples of the patch size"):
+        compile_prx(model, backend="eager", precision="fp8", **{**RANGE, "specialize": [[17, 16, 2]]})
+    assert fp8.fp8_modules(model) == 0  # checked before anything was swapped
+    compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    with pytest.raises(ConfigError, match="FP8"):
+        compile_prx(model, backend="eager", **RANGE)  # precision: dtype would run FP8 and save as bf16
+
+
+def test_weights_edited_in_place_are_requantised_at_the_next_call():
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    ct(**kw, return_dict=False)
+    other = make_prx(seed=5)
+    model.load_state_dict(other.state_dict())  # in place, outside load_lora
+    fp8.install(other)
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(other, kw), rtol=0, atol=1e-5)

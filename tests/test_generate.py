@@ -53,7 +53,7 @@ def reference(work):
     r = run(work, "--out-dir", str(work / "one"))
     assert r.returncode == 0, r.stderr
     images = pngs(work / "one")
-    assert list(images) == [image_name(i, p, len(PROMPTS)) for i, p in enumerate(PROMPTS)]
+    assert list(images) == [image_name(i, p) for i, p in enumerate(PROMPTS)]
     assert len(set(images.values())) == len(PROMPTS)  # seed + index: every image differs
     return images
 
@@ -175,7 +175,7 @@ def test_api_under_a_torchrun_style_launch_a_failing_prompt_does_not_stop_the_ot
     assert main["kind"] == "summary" and other == {"kind": "rank", "missing": None}
     assert [(m["index"], m["rank"]) for m in main["missing"]] == [(3, 0)]  # "a blue robot", rank 0's share
     assert main["missing"][0]["reason"] == "RuntimeError: the robot broke the pipeline"
-    assert sorted(pngs(out)) == [image_name(i, p, 7) for i, p in enumerate(PROMPTS) if i != 3]
+    assert sorted(pngs(out)) == [image_name(i, p) for i, p in enumerate(PROMPTS) if i != 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"][0]["failed"] == {"3": "RuntimeError: the robot broke the pipeline"}
     assert summary["ranks"][1]["written"] == [4, 5, 6]
@@ -213,5 +213,46 @@ def test_shares_and_names_do_not_depend_on_the_process_count():
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
             sizes = [len(part) for part in parts]
             assert sorted(sizes, reverse=True) == sizes  # the first ranks take one more
-    assert image_name(7, "A Cat, at night!", 7) == "007-a-cat-at-night.png"
-    assert image_name(7, "???", 1001) == "0007-image.png"
+    assert image_name(7, "A Cat, at night!") == "007-a-cat-at-night.png"
+    assert image_name(1007, "???") == "1007-image.png"
+
+
+def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
+    from prx_compile.generate import STATUS_DIR, _read_json, _remove_old_runs, _status_root, _valid_record
+
+    good = {
+        "kind": "rank",
+        "rank": 1,
+        "host": "h",
+        "device": "cpu",
+        "written": [3],
+        "skipped": [],
+        "failed": {},
+        "setup_s": 1.0,
+        "generate_s": 2.0,
+        "images_per_s": 0.5,
+        "generate_start": 10.0,
+        "generate_end": 12.0,
+        "engine_builds": None,
+        "engine_cache_loads": None,
+    }
+    assert _valid_record(good, 1) and not _valid_record(good, 0)
+    for key, bad in (("written", ["3"]), ("failed", {"3": 4}), ("generate_end", None), ("host", 7)):
+        assert not _valid_record({**good, key: bad}, 1), key
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "real.json").write_text('{"a": 1}')
+    os.symlink(tmp_path / "real.json", tmp_path / "link.json")
+    assert _read_json(tmp_path / "fifo.json") is None  # no hang
+    assert _read_json(tmp_path / "link.json") is None and _read_json(tmp_path / "real.json") == {"a": 1}
+    # old runs are removed, a live one (this process) and anything not named like a run are kept
+    root = tmp_path / "out" / STATUS_DIR
+    for name in ("0123456789abcdef", "fedcba9876543210", "keep-me.txt"):
+        (root / name).mkdir(parents=True)
+    live = {"rank": 0, "host": socket.gethostname(), "pid": os.getpid()}
+    (root / "fedcba9876543210" / "rank-0.start.json").write_text(json.dumps(live))
+    _remove_old_runs(tmp_path / "out", keep="new")
+    assert sorted(p.name for p in root.iterdir()) == ["fedcba9876543210", "keep-me.txt"]
+    (tmp_path / "o2").mkdir()
+    os.symlink(tmp_path, tmp_path / "o2" / STATUS_DIR)
+    with pytest.raises(ConfigError, match="link"):
+        _status_root(tmp_path / "o2")
