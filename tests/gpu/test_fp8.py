@@ -7,24 +7,13 @@ import torch
 from prx_compile import compile_prx, fp8, load_lora, set_lora, unload_lora
 from prx_compile._kernels import row_quant_fp8, row_quant_fp8_torch
 from prx_compile.bench import rel_err
-from prx_compile.export import example_inputs
 from prx_compile.lora import make_random_lora
 from prx_compile.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
+from .test_tensorrt import eager, inputs
 
 pytestmark = pytest.mark.gpu
-
-
-def inputs(model, batch=2, h=64, w=64, text=64, masked=40, seed=0):
-    return example_inputs(
-        model.config, batch, h, w, text, dtype=torch.bfloat16, device="cuda", masked_tokens=masked, seed=seed
-    )
-
-
-def eager(model, kw):
-    with torch.no_grad():
-        return model(**kw, return_dict=False)[0]
 
 
 @pytest.mark.parametrize("k", [64, 1792, 7168])
