@@ -161,3 +161,19 @@ def test_weights_edited_in_place_are_requantised_at_the_next_call():
     model.load_state_dict(other.state_dict())  # in place, outside load_lora
     fp8.install(other)
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(other, kw), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [{"precision": 7}, {"precision": "int4"}, {"weights": "engine"}])
+def test_an_edited_precision_in_a_manifest_is_an_artifact_error(tmp_path, bad):
+    import json
+
+    from prx_compile import ArtifactError
+
+    ct = compile_prx(make_prx(), backend="eager", precision="fp8", **RANGE)
+    save_compiled(ct, tmp_path / "a")
+    manifest = tmp_path / "a" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["config"].update(bad)
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="manifest.config"):
+        load_compiled(tmp_path / "a", device="cpu")
