@@ -6,7 +6,8 @@ Phases (full-size PRX, 1.17 B, bf16, non-degenerate weights; pipeline text mask)
   perf        eager, torch.compile and compile_prx (default config and the static preset) at
               1024² b2, 1024² b1, 832x1216 b2; the bins preset at 512² b2; for each --weights mode.
               -> perf_<mode>.json
-  peers       torch.compile(mode="max-autotune") at 1024² b2 with eager and compile_prx -> peers.json
+  peers       torch.compile(mode="max-autotune") at 1024² b2 with eager, compile_prx (default) and
+              compile_prx fp8 (static) -> peers.json
   modes       the static preset with weights "inputs" and "engine" at 1024² b2, with eager
               -> modes_1024_b2.json
   lora        rank-64 LoRA over the 96 attention and MLP linears: load, switch, unload seconds, step
@@ -21,12 +22,15 @@ Phases (full-size PRX, 1.17 B, bf16, non-degenerate weights; pipeline text mask)
   fp8_pipeline  a 28-step PRXPipeline's final latents (fp8 compile_prx against bf16 eager); a
               rank-64 LoRA switch with fp8 -> fp8_pipeline.json
   fp8_inductor  the inductor backend with fp8 at 1024² b2, with eager -> fp8_inductor.json
+  fp8_profile  fp8 at 1024² b2 with and without the fp8_mlp rule, with eager; then the kernels of
+              one fp8 step by category (torch.profiler, CUDA graphs off) -> fp8_profile.json
 Each speedup in a file is a ratio of numbers from the same process and run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -95,6 +99,9 @@ def modes(out: Path) -> None:
     print(table(res), flush=True)
 
 
+FP8_STATIC = dict(static=True, specialize=[[1024, 1024, 2]])
+
+
 def max_autotune(out: Path) -> None:
     model = full_model()
     res = run_bench(
@@ -102,15 +109,13 @@ def max_autotune(out: Path) -> None:
         {
             "eager": lambda m: m,
             "compile_prx[default,inputs]": compile_path(None),
+            "compile_prx[static,fp8]": compile_path("prx-1024-fp8", **FP8_STATIC),
             "torch.compile-max-autotune": lambda m: torch.compile(m, mode="max-autotune"),
         },
         model=model,
         out_json=out / "peers.json",
     )
     print(table(res), flush=True)
-
-
-FP8_STATIC = dict(static=True, specialize=[[1024, 1024, 2]])
 
 
 def fp8(out: Path, cache: str) -> None:
@@ -142,6 +147,69 @@ def fp8_inductor(out: Path) -> None:
         out_json=out / "fp8_inductor.json",
     )
     print(table(res), flush=True)
+
+
+def kernel_categories(names_ms: dict[str, tuple[int, float]]) -> dict[str, float]:
+    """Kernel name -> (calls, ms) summed into coarse categories (ms per step)."""
+    exact = {"_kernel": "triton q/k norm + rope", "_merge_kernel": "triton attention merge"}
+    rules = [
+        ("cuBLAS GEMM (torch._scaled_mm)", ("nvjet", "f8f8bf16", "scaled_mm")),
+        ("triton fp8 quantisation", ("_row_quant", "_gelu_mul_quant")),
+        ("attention (cuDNN)", ("sdpa", "flash", "fmha")),
+        ("tensorrt (myelin fusions, its GEMMs)", ("__myl", "matmul", "xmma", "gemm")),
+    ]
+    out: dict[str, float] = {}
+    for name, (_, ms) in names_ms.items():
+        low = name.lower()
+        cat = exact.get(name) or next((c for c, keys in rules if any(k in low for k in keys)), "other")
+        out[cat] = out.get(cat, 0.0) + ms
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def fp8_profile(out: Path, cache: str, ablation: bool) -> None:
+    """fp8 (static, 1024² b2) with the fp8_mlp rule and, with ``ablation``, without it, against
+    eager; then the kernels of one step of the first, by name and by category."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = full_model()
+    paths = {
+        "eager": lambda m: m,
+        "compile_prx[static,fp8]": compile_path("prx-1024-fp8", **FP8_STATIC, engine_cache_dir=cache),
+    }
+    if ablation:
+        paths["compile_prx[static,fp8,no fp8_mlp]"] = compile_path(
+            "prx-1024-fp8", **FP8_STATIC, fp8_mlp=False
+        )
+    res = run_bench([Case((1024, 1024), 2)], paths, model=model, out_json=out / "fp8_profile.json")
+    print(table(res), flush=True)
+    fp8_model = copy.deepcopy(model)
+    ct = compile_prx(
+        fp8_model, config="prx-1024-fp8", **FP8_STATIC, engine_cache_dir=cache, cuda_graphs=False
+    )
+    kw = Case((1024, 1024), 2).inputs(model.config, torch.bfloat16, "cuda")
+    step = lambda: ct(**kw, return_dict=False)  # noqa: E731
+    no_graph_ms = time_cuda(step)["ms"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+            ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / 3
+            if ms > 0:
+                kernels[e.key] = (e.count // 3, ms)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
+    res["profile"] = {
+        "what": "compile_prx[static,fp8] at 1024² b2, CUDA graphs off, kernel times per step (3 steps / 3)",
+        "ms_per_step_without_graphs": no_graph_ms,
+        "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),
+        "by_category": kernel_categories(kernels),
+        "top_kernels": [{"name": k[:160], "calls": c, "ms": round(ms, 4)} for k, (c, ms) in top],
+        "report": ct.report(),
+    }
+    (out / "fp8_profile.json").write_text(json.dumps(res, indent=1, default=str))
+    log(f"profile: {json.dumps(res['profile']['by_category'])}")
 
 
 def fp8_more(out: Path, cache: str) -> None:
@@ -351,7 +419,8 @@ def lora_and_artifact(
 import json, time, torch
 t_import = time.perf_counter()
 import prx_compile
-import torch_tensorrt, diffusers  # once per process; timed apart from the load
+import torch_tensorrt  # once per process, as a server or a notebook that runs PRXPipeline does: timed
+from diffusers import PRXPipeline, PRXTransformer2DModel  # apart from the load
 from prx_compile import load_compiled
 t_import = time.perf_counter() - t_import
 t0 = time.perf_counter()
@@ -408,6 +477,7 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["inputs", "engine"])
     ap.add_argument("--cache", help="engine cache of the fp8 phases (default: a new temporary folder)")
     ap.add_argument("--no-peers", action="store_true", help="perf without eager and torch.compile")
+    ap.add_argument("--ablation", action="store_true", help="fp8_profile: also build without fp8_mlp")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     fp8_cache = args.cache or tempfile.mkdtemp()  # the fp8 phases share their 1024² b2 engines
@@ -419,6 +489,7 @@ def main() -> None:
         "fp8": lambda: fp8(args.out, fp8_cache),
         "fp8_more": lambda: fp8_more(args.out, fp8_cache),
         "fp8_inductor": lambda: fp8_inductor(args.out),
+        "fp8_profile": lambda: fp8_profile(args.out, fp8_cache, args.ablation),
         "fp8_pipeline": lambda: fp8_pipeline(args.out, fp8_cache),
         "artifact_static": lambda: lora_and_artifact(
             args.out, ["artifact"], "prx-1024-bf16-static", fp8_cache, "artifact_static"

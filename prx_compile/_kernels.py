@@ -4,6 +4,9 @@
   in PyTorch ops, for CPU or CUDA without triton).
 * ``qk_norm_rope`` — per-head RMSNorm, optional RoPE and a copy of the matching values, in one pass
   over a projection's output (``ops.qk_norm_rope_torch``: diffusers' arithmetic in PyTorch ops).
+* ``row_quant_fp8`` — per-row FP8 quantisation of a GEMM input (``row_quant_fp8_torch``).
+* ``gelu_mul_quant_fp8`` — ``gelu_tanh(gate) * up`` quantised per row for the next FP8 GEMM, one pass
+  (``gelu_mul_quant_fp8_torch``).
 
 triton ships with CUDA builds of torch; it is imported only when a kernel first runs.
 """
@@ -324,23 +327,76 @@ def _row_quant_kernel():
         row = tl.program_id(0)
         cols = tl.arange(0, BK)
         v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        # quantise the fp32 row v: a NaN element stays NaN, as in torch (the row's scale ignores it,
+        # where torch's becomes NaN: the GEMM's output row is NaN either way); the rest is clamped
         scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
-        y = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+        y = v / scale
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
         tl.store(q + row * K + cols, y.to(q.dtype.element_ty), mask=cols < K)
         tl.store(s + row, scale)
 
-    _ROW_QUANT_KERNEL = (_row_quant, triton)
+    @triton.jit
+    def _gelu_mul_quant(g, u, q, s, K, stride_g, stride_u, BK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BK)
+        a = tl.load(g + row * stride_g + cols, mask=cols < K, other=0.0)
+        b = tl.load(u + row * stride_u + cols, mask=cols < K, other=0.0)
+        x = a.to(tl.float32)
+        # gelu(x, "tanh") = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)); rounded to the input
+        # dtype, then the product rounded again: the same two roundings as torch's gelu(g) * u
+        act = (x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))).to(a.dtype)
+        v = (act.to(tl.float32) * b.to(tl.float32)).to(a.dtype).to(tl.float32)
+        # quantise the fp32 row v: a NaN element stays NaN, as in torch (the row's scale ignores it,
+        # where torch's becomes NaN: the GEMM's output row is NaN either way); the rest is clamped
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
+        y = v / scale
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+        tl.store(q + row * K + cols, y.to(q.dtype.element_ty), mask=cols < K)
+        tl.store(s + row, scale)
+
+    _ROW_QUANT_KERNEL = (_row_quant, _gelu_mul_quant, triton)
     return _ROW_QUANT_KERNEL
+
+
+def _use_triton(*xs: torch.Tensor) -> bool:
+    return all(x.is_cuda and x.stride(-1) == 1 and x.shape[-1] <= 1 << 15 for x in xs) and triton_available()
+
+
+def _quant_out(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty((m, k), device=device, dtype=torch.float8_e4m3fn)
+    return q, torch.empty((m, 1), device=device, dtype=torch.float32)
 
 
 def row_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``row_quant_fp8_torch`` in one pass (one Triton program per row) on CUDA; the torch ops elsewhere."""
-    if not (x.is_cuda and triton_available()) or x.stride(-1) != 1 or x.shape[-1] > 1 << 15:
+    if not _use_triton(x):
         return row_quant_fp8_torch(x)
-    kernel, triton = _row_quant_kernel()
+    row_quant, _, triton = _row_quant_kernel()
     m, k = x.shape
-    q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    q, s = _quant_out(m, k, x.device)
     bk = triton.next_power_of_2(k)
-    kernel[(m,)](x, q, s, k, x.stride(0), BK=bk, num_warps=8 if bk >= 4096 else 4)
+    row_quant[(m,)](x, q, s, k, x.stride(0), BK=bk, num_warps=8 if bk >= 4096 else 4)
+    return q, s
+
+
+def gelu_mul_quant_fp8_torch(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, N), (M, N) -> ``row_quant_fp8_torch(gelu(gate, approximate="tanh") * up)``."""
+    return row_quant_fp8_torch(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+
+
+def gelu_mul_quant_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gelu_mul_quant_fp8_torch`` in one pass on CUDA (the (M, N) product is never written in bf16);
+    the torch ops elsewhere. Returns (M, N) float8_e4m3fn and (M, 1) fp32 scales."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gelu_mul_quant_fp8 needs two (M, N) tensors of one shape and dtype, got gate "
+            f"{tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}"
+        )
+    if not _use_triton(gate, up):
+        return gelu_mul_quant_fp8_torch(gate, up)
+    _, kernel, triton = _row_quant_kernel()
+    m, k = gate.shape
+    q, s = _quant_out(m, k, gate.device)
+    bk = triton.next_power_of_2(k)
+    kernel[(m,)](gate, up, q, s, k, gate.stride(0), up.stride(0), BK=bk, num_warps=16 if bk >= 8192 else 8)
     return q, s

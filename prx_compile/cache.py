@@ -76,6 +76,7 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
                 loaded = load_entry(entry, backend)
                 if not loaded.is_built:  # PyTorch backends keep no graph: they lower again (seconds)
                     loaded.build(example)
+                loaded.load()  # deserialise now: an entry TensorRT refuses is rebuilt below
                 load_s = time.perf_counter() - t0
                 logger.info("engine cache hit %s (%.1f s)", key, load_s)
                 return loaded, {"key": key, "load_s": load_s}

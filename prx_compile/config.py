@@ -33,6 +33,7 @@ ENGINE_KEYS = (
     "precision",
     "attention",
     "select_as_slice",
+    "fp8_mlp",
     "weights",
     "optimization_level",
 )
@@ -74,6 +75,9 @@ class CompileConfig:
         (refit after a LoRA, one copy per engine set).
     cuda_graphs: replay the whole transformer step as one CUDA graph per input shape (CUDA only).
     select_as_slice: lower constant-index ``select`` to ``slice`` (avoids TensorRT gather kernels).
+    fp8_mlp: with ``precision: fp8``, run each block's MLP as one ``fp8_gated_mlp`` op (three FP8
+        GEMMs, the input quantised once, GELU * up quantised in one pass) instead of three FP8 linears
+        with an engine for GELU * up between them.
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
     aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
@@ -98,6 +102,7 @@ class CompileConfig:
     weights: str = "inputs"
     cuda_graphs: bool = True
     select_as_slice: bool = True
+    fp8_mlp: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])
@@ -130,7 +135,7 @@ class CompileConfig:
                 "the FP8 weights are engine inputs, re-quantised in place by a LoRA; drop weights: engine.",
             )
         choice("on_shape_miss", ON_SHAPE_MISS)
-        for key in ("cuda_graphs", "static", "select_as_slice"):
+        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
         for key in ("batch", "text_len"):
@@ -279,15 +284,16 @@ class CompileConfig:
         return LoweringSettings(
             attention="tensorrt" if self.attention == "tensorrt" else "flash",
             select_as_slice=self.select_as_slice,
+            fp8_mlp=self.fp8_mlp,
         )
 
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None
 
     def engine_settings(self) -> dict[str, Any]:
-        """The settings engines depend on (``ENGINE_KEYS``)."""
+        """The settings engines depend on (``ENGINE_KEYS``; ``fp8_mlp`` only with ``precision: fp8``)."""
         d = self.to_dict()
-        return {k: d[k] for k in ENGINE_KEYS}
+        return {k: d[k] for k in ENGINE_KEYS if k != "fp8_mlp" or self.precision == "fp8"}
 
     def range_shapes(self, patch_size: int = 2) -> ShapeRange:
         """The whole range (every aspect bin, batch and text length), in latent pixels."""

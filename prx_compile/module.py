@@ -133,8 +133,9 @@ class CompiledTransformer(torch.nn.Module):
 
     # -- build ----------------------------------------------------------------------------------
     def build(self, example: dict[str, torch.Tensor] | None = None) -> CompiledTransformer:
-        """Build every engine set not built yet, each at its tuning point; or, with ``example``
-        (PRX forward kwargs), the set that call would run."""
+        """Build every engine set not built yet, each at its tuning point, and load every set read from
+        an artifact (which otherwise loads at its first call); or, with ``example`` (PRX forward
+        kwargs), only the set that call would run."""
         with torch.no_grad():
             if example is not None:
                 inputs = self._normalise(**example)
@@ -144,6 +145,8 @@ class CompiledTransformer(torch.nn.Module):
             for i, backend in enumerate(self.backends):
                 if not backend.is_built:
                     self._build_backend(i)
+                else:
+                    backend.load()  # a loaded artifact's engines, deserialised now rather than at first use
         return self
 
     def _example(self, shapes: ShapeRange) -> dict[str, torch.Tensor]:
@@ -280,6 +283,7 @@ class CompiledTransformer(torch.nn.Module):
         i = min(fits, key=lambda j: self.backends[j].shapes.volume())
         if not self.backends[i].is_built:
             self._build_backend(i)
+        self.backends[i].load()  # before any CUDA graph capture
         return self.backends[i]
 
     def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

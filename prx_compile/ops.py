@@ -8,6 +8,8 @@
   outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.fused_attention``).
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
+* ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
+  FP8 GEMMs with the quantisations fused (rule ``lowering.fp8_mlp``).
 
 The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
@@ -323,6 +325,32 @@ def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
 
 
+def _check_fp8_weight(name: str, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, k: int) -> int:
+    _expect(weight_fp8.dim() == 2, f"{name} must be 2-D")
+    n, wk = weight_fp8.shape
+    _expect(wk == k, f"the input has {k} features, {name} {wk}")
+    _expect(weight_fp8.dtype == torch.float8_e4m3fn, f"{name} is {weight_fp8.dtype}, not float8_e4m3fn")
+    _expect(tuple(weight_scale.shape) == (n,), f"{name}'s scale is {tuple(weight_scale.shape)}, not ({n},)")
+    return n
+
+
+def _fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, dtype):
+    """(M, K) e4m3 with (M, 1) scales @ (N, K).T e4m3 with (N,) scales -> (M, N) in ``dtype``.
+
+    ``use_fast_accum`` as torchao's float8 inference does (CUDA's row-wise kernel; ignored on a CPU)."""
+    n = weight_fp8.shape[0]
+    out_dtype = torch.bfloat16 if q.is_cuda else dtype  # CUDA's row-wise kernel writes bf16
+    out = torch._scaled_mm(
+        q,
+        weight_fp8.t(),
+        scale_a=s,
+        scale_b=weight_scale.float().view(1, n),
+        out_dtype=out_dtype,
+        use_fast_accum=True,
+    )
+    return out.to(dtype)
+
+
 @torch.library.custom_op(f"{_LIB}::fp8_linear", mutates_args=())
 def fp8_linear(
     x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
@@ -335,22 +363,15 @@ def fp8_linear(
     """
     from ._kernels import row_quant_fp8
 
-    _expect(x.dim() >= 1 and weight_fp8.dim() == 2, "fp8_linear needs x (..., K) and a 2-D weight")
-    n, k = weight_fp8.shape
-    _expect(x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}")
-    _expect(weight_fp8.dtype == torch.float8_e4m3fn, f"weight_fp8 is {weight_fp8.dtype}, not float8_e4m3fn")
-    _expect(tuple(weight_scale.shape) == (n,), f"weight_scale is {tuple(weight_scale.shape)}, not ({n},)")
+    _expect(x.dim() >= 1, "fp8_linear needs x (..., K)")
+    k = x.shape[-1]
+    n = _check_fp8_weight("weight_fp8", weight_fp8, weight_scale, k)
     _expect(bias is None or tuple(bias.shape) == (n,), f"bias must have shape ({n},)")
-    lead = x.shape[:-1]
     q, s = row_quant_fp8(x.reshape(-1, k).contiguous())
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-wise kernel writes bf16
-    out = torch._scaled_mm(
-        q, weight_fp8.t(), scale_a=s, scale_b=weight_scale.float().view(1, n), out_dtype=out_dtype
-    )
-    out = out.to(x.dtype)
+    out = _fp8_gemm(q, s, weight_fp8, weight_scale, x.dtype)
     if bias is not None:
         out = out + bias.to(x.dtype)
-    return out.view(*lead, n)
+    return out.view(*x.shape[:-1], n)
 
 
 @fp8_linear.register_fake
@@ -358,7 +379,44 @@ def _(x, weight_fp8, weight_scale, bias):
     return x.new_empty((*x.shape[:-1], weight_fp8.shape[0]))
 
 
+@torch.library.custom_op(f"{_LIB}::fp8_gated_mlp", mutates_args=())
+def fp8_gated_mlp(
+    x: torch.Tensor,
+    gate_fp8: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_fp8: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_fp8: torch.Tensor,
+    down_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``down(gelu(gate(x), approximate="tanh") * up(x))`` with three FP8 GEMMs, (..., K) -> (..., K').
+
+    Each GEMM is ``fp8_linear``'s (bias-free), so the result is that composition, with two passes
+    fewer: ``x`` is quantised once for gate and up, and the GELU, the product and the quantisation
+    for down are one Triton pass on CUDA (``_kernels.gelu_mul_quant_fp8``). Weights (N, K), (N, K),
+    (K', N) float8_e4m3fn with (N,), (N,), (K',) fp32 scales.
+    """
+    from ._kernels import gelu_mul_quant_fp8, row_quant_fp8
+
+    _expect(x.dim() >= 1, "fp8_gated_mlp needs x (..., K)")
+    k = x.shape[-1]
+    n = _check_fp8_weight("gate_fp8", gate_fp8, gate_scale, k)
+    _expect(_check_fp8_weight("up_fp8", up_fp8, up_scale, k) == n, "gate and up have different widths")
+    out_n = _check_fp8_weight("down_fp8", down_fp8, down_scale, n)
+    q, s = row_quant_fp8(x.reshape(-1, k).contiguous())
+    gate = _fp8_gemm(q, s, gate_fp8, gate_scale, x.dtype)
+    up = _fp8_gemm(q, s, up_fp8, up_scale, x.dtype)
+    hq, hs = gelu_mul_quant_fp8(gate, up)
+    return _fp8_gemm(hq, hs, down_fp8, down_scale, x.dtype).view(*x.shape[:-1], out_n)
+
+
+@fp8_gated_mlp.register_fake
+def _(x, gate_fp8, gate_scale, up_fp8, up_scale, down_fp8, down_scale):
+    return x.new_empty((*x.shape[:-1], down_fp8.shape[0]))
+
+
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
 FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
+FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default

@@ -41,6 +41,7 @@ def _ops() -> dict[str, Callable]:
         prx.joint_attention.default,
         prx.flash_attention.default,
         prx.fp8_linear.default,
+        prx.fp8_gated_mlp.default,
         aten.sym_size.int,
         aten.view.default,
         aten.reshape.default,

@@ -114,9 +114,14 @@ def load_compiled(
             (another GPU or TensorRT; or to run nothing but safetensors and JSON from this artifact).
         verify: check the size and sha256 of every file first (parallel; well under a second for PRX).
 
+    Each engine set is deserialised by TensorRT at its first call (or by ``.build()`` on the result),
+    so a process pays only for the sets it runs; every file is read and checked here.
+
     Raises:
         ArtifactError: a missing, truncated, corrupted or malformed file or field (the message names
-            it); a TensorRT or GPU mismatch (the message says to use ``rebuild=True``).
+            it); a TensorRT or GPU version mismatch (the message says to use ``rebuild=True``). Bytes
+            that pass every check and that TensorRT still cannot deserialise raise ArtifactError at
+            the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
     reader = artifact.open_artifact(path, kind=KIND, verify=verify)

@@ -1,6 +1,8 @@
 """precision: fp8 on the CPU: the FP8 GEMM op against its definition, the module swap, compiled vs
 eager, LoRA re-quantisation (exact switches), artifacts, config and cache keys."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -44,6 +46,55 @@ def test_fp8_linear_is_scaled_mm_of_the_quantised_operands():
         torch.ops.prx_compile.fp8_linear(x, w, ws, None)
 
 
+def quantised_weights(*shapes, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [t for shape in shapes for t in fp8.quantize_weight(torch.randn(*shape, generator=g) * 0.1)]
+
+
+def test_fp8_gated_mlp_is_the_three_fp8_linears():
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1))
+    g8, gs, u8, us, d8, ds = quantised_weights((96, 64), (96, 64), (48, 96))
+    out = torch.ops.prx_compile.fp8_gated_mlp(x, g8, gs, u8, us, d8, ds)
+    lin = torch.ops.prx_compile.fp8_linear
+    h = torch.nn.functional.gelu(lin(x, g8, gs, None), approximate="tanh") * lin(x, u8, us, None)
+    torch.testing.assert_close(out, lin(h, d8, ds, None), rtol=0, atol=0)
+    assert out.shape == (2, 7, 48)
+    with pytest.raises(ValueError, match="different widths"):
+        torch.ops.prx_compile.fp8_gated_mlp(x, g8, gs, u8[:80], us[:80], d8, ds)
+    with pytest.raises(ValueError, match="down_fp8"):
+        torch.ops.prx_compile.fp8_gated_mlp(x, g8, gs, u8, us, d8[:, :80], ds)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_triton_quant_kernels_in_the_interpreter(monkeypatch):
+    """The Triton kernels' arithmetic on the CPU, through TRITON_INTERPRET (CI has no triton; the GPU
+    tests run them compiled and compare the FP8 codes). The interpreter's casts to bf16 and fp8 do not
+    round as the GPU does, so the kernels write fp32 here and are compared to two bf16 ulps (two
+    roundings)."""
+    from prx_compile import _kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_kernels, "_ROW_QUANT_KERNEL", None)
+    row_quant, gelu_mul_quant, _ = _kernels._row_quant_kernel()
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(6, 80, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
+    a[2, 5] = float("nan")
+    for launch, value in (
+        (lambda q, s: row_quant[(6,)](a, q, s, 80, a.stride(0), BK=128), a),
+        (
+            lambda q, s: gelu_mul_quant[(6,)](a, b, q, s, 80, a.stride(0), b.stride(0), BK=128),
+            torch.nn.functional.gelu(a, approximate="tanh") * b,
+        ),
+    ):
+        q, s = torch.empty(6, 80), torch.empty(6, 1)
+        launch(q, s)
+        rows = [0, 1, 3, 4, 5]
+        scale = value[rows].float().abs().amax(-1, keepdim=True) / 448
+        torch.testing.assert_close(s[rows], scale, rtol=2**-6, atol=0)
+        torch.testing.assert_close(q[rows], value[rows].float() / scale, rtol=0, atol=448 * 2**-6)
+        assert q[rows].abs().max() <= 448 and not q[rows].isnan().any() and q[2].isnan().any()  # NaN kept
+
+
 def test_install_swaps_the_block_linears_in_place_and_keeps_the_weights():
     model = make_prx()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -58,17 +109,19 @@ def test_install_swaps_the_block_linears_in_place_and_keeps_the_weights():
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(backend):
+@pytest.mark.parametrize("backend,fp8_mlp", [("eager", True), ("eager", False), ("inductor", True)])
+def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(backend, fp8_mlp):
     model = make_prx()
     kw = prx_inputs(model, h=16, w=16)
     full = eager(model, kw)
-    ct = compile_prx(model, backend=backend, precision="fp8", **RANGE)
+    ct = compile_prx(model, backend=backend, precision="fp8", fp8_mlp=fp8_mlp, **RANGE)
     assert fp8.fp8_modules(model) == 6 * len(model.blocks)
     out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
     assert 0 < rel_err(out, full) < 2e-2
-    assert ct.report()["torch_ops"]["prx_compile.fp8_linear.default"] == 6 * len(model.blocks)
+    ops, depth = ct.report()["torch_ops"], len(model.blocks)
+    assert ops["prx_compile.fp8_linear.default"] == (3 if fp8_mlp else 6) * depth
+    assert ops.get("prx_compile.fp8_gated_mlp.default", 0) == (depth if fp8_mlp else 0)
 
 
 def test_lora_requantises_and_switches_exactly():
@@ -128,6 +181,11 @@ def test_config_and_cache_key():
     cfg = CompileConfig.resolve("prx-1024-fp8")
     assert cfg.precision == "fp8" and cfg.dtype == "bf16"
     assert cfg.engine_settings() != cfg.replace(precision="dtype").engine_settings()
+    assert cfg.engine_settings() != cfg.replace(fp8_mlp=False).engine_settings()
+    bf16 = cfg.replace(precision="dtype")  # fp8_mlp changes nothing there: one cache entry
+    assert bf16.engine_settings() == bf16.replace(fp8_mlp=False).engine_settings()
+    with pytest.raises(ConfigError, match="fp8_mlp"):
+        CompileConfig(fp8_mlp="yes")
 
 
 def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):

@@ -3,12 +3,15 @@
     python benchmarks/probes/profile_load.py ARTIFACT
 
 Imports come first and are timed apart (a server imports once per process); then one load, with the
-time spent in prx_compile's steps: reading and verifying files, the model and its weights, each
-engine's deserialisation, the TensorRT-RTX runtime-cache contexts.
+time spent in prx_compile's steps: reading and verifying files, the model and its weights; then
+``build()``, which deserialises every engine set (a load defers that to each set's first call). Last,
+for a few engines of set 0, one at a time: TensorRT-RTX's deserialisation, a default execution context,
+and a context with a runtime config holding the saved runtime cache, then an empty one.
 """
 
 import sys
 import time
+from pathlib import Path
 
 t0 = time.perf_counter()
 import torch  # noqa: E402
@@ -48,4 +51,44 @@ t0 = time.perf_counter()
 ct = saving.load_compiled(sys.argv[1])
 torch.cuda.synchronize()
 print(f"load {time.perf_counter() - t0:.2f} s")
+t0 = time.perf_counter()
+ct.build()  # deserialise every engine set now
+torch.cuda.synchronize()
+print(f"engines {time.perf_counter() - t0:.2f} s ({ct.report()['engines']} engines)")
 print({k: round(v, 2) for k, v in spent.items()})
+
+# one engine at a time: where an engine's load goes
+t = trt_shim.trt()
+from torch_tensorrt.logging import TRT_LOGGER  # noqa: E402
+
+steps: dict[str, list[float]] = {}
+
+
+def step(name, fn):
+    t0 = time.perf_counter()
+    out = fn()
+    steps.setdefault(name, []).append(round(time.perf_counter() - t0, 4))
+    return out
+
+
+folder = Path(sys.argv[1]) / "sets" / "0"
+for path in sorted(folder.glob("*.engine"))[:4]:
+    blob, cache = path.read_bytes(), path.with_suffix(".rtcache")
+    engine = step("deserialize", lambda blob=blob: t.Runtime(TRT_LOGGER).deserialize_cuda_engine(blob))
+    step("default_context", engine.create_execution_context)
+    if hasattr(engine, "create_runtime_config"):
+        for label, data in (
+            ("cached_context", cache.read_bytes() if cache.exists() else b""),
+            ("empty_cache_context", b""),
+        ):
+
+            def make(data=data, engine=engine):
+                cfg = engine.create_runtime_config()
+                rc = cfg.create_runtime_cache()
+                if data:
+                    rc.deserialize(data)
+                cfg.set_runtime_cache(rc)
+                return engine.create_execution_context(cfg)
+
+            step(label, make)
+print("per engine (s):", steps)

@@ -43,6 +43,14 @@ class Backend(abc.ABC):
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         """One transformer step: PRX forward kwargs -> (B, C, H, W)."""
 
+    @property
+    def is_loaded(self) -> bool:
+        """False while ``from_state`` has deferred work (see ``load``)."""
+        return True
+
+    def load(self) -> None:  # noqa: B027 (optional hook: most backends defer nothing)
+        """Finish what ``from_state`` deferred (e.g. deserialising engines) before the first call."""
+
     def report(self) -> dict[str, Any]:
         """{"engines", "torch_segments", "torch_ops": {op: count}} of what was built."""
         return {"engines": 0, "torch_segments": 0, "torch_ops": {}}

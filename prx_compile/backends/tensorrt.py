@@ -23,9 +23,11 @@ Torch-TensorRT hooks (``lowering.ENGINE_RULES`` and that provenance pass) are re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,10 +36,10 @@ from typing import Any
 import torch
 
 from .. import progress
-from ..errors import LoRAError
+from ..errors import ArtifactError, LoRAError, PRXCompileError
 from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import ENGINE_RULES, lower
-from ..ops import FLASH_ATTENTION, FP8_LINEAR, JOINT_ATTENTION, PRX_ATTENTION
+from ..ops import FLASH_ATTENTION, FP8_GATED_MLP, FP8_LINEAR, JOINT_ATTENTION, PRX_ATTENTION
 from ..program import Program, from_graph_module
 from . import trt_shim
 from .base import Backend, BackendState
@@ -60,6 +62,8 @@ class TensorRTBackend(Backend):
         self.provenance: dict[str, tuple[str, str]] = {}
         self.refits = 0
         self._slots: list[tuple[str, torch.nn.Module, str]] = []
+        self._pending: _Pending | None = None  # engines read from an artifact, not deserialised yet
+        self._load_lock = threading.Lock()
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -74,11 +78,11 @@ class TensorRTBackend(Backend):
         }
         kept = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION} if cfg.attention != "tensorrt" else set()
         if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
-            kept.add(FP8_LINEAR)
+            kept |= {FP8_LINEAR, FP8_GATED_MLP}
         if kept:
             required["torch_executed_ops"] = kept
         optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
-        if cfg.precision == "fp8":  # the few ops between two FP8 GEMMs (GELU * up) still go to TensorRT
+        if cfg.precision == "fp8":  # the few ops between two FP8 ops (a reshape, a residual) go to TensorRT
             optional["min_block_size"] = 1
         if cfg.optimization_level is not None:
             optional["optimization_level"] = cfg.optimization_level
@@ -136,17 +140,21 @@ class TensorRTBackend(Backend):
             self._slots.append((fqn, modules[mod], attr))
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        self.load()
         params = {fqn: getattr(m, a) for fqn, m, a in self._slots}
         out = self.program.run(inputs, params, self.engines, self.constants)
         return out[0] if isinstance(out, (list, tuple)) else out
 
     # -- reports --------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
+        pending = self._pending  # read once: a load in another thread may finish meanwhile
+        sizes = [len(pending.blobs[f"{n}.engine"]) for n in pending.records] if pending else []
+        sizes += [len(m.serialized_engine) for m in self.engines.values()]
         return {
-            "engines": len(self.engines),
+            "engines": len(sizes),
             "torch_segments": self.program.segments,
             "torch_ops": self.program.torch_ops(),
-            "engine_mb": sum(len(m.serialized_engine) for m in self.engines.values()) / 2**20,
+            "engine_mb": sum(sizes) / 2**20,
         }
 
     def versions(self) -> dict[str, str]:
@@ -154,7 +162,10 @@ class TensorRTBackend(Backend):
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> BackendState:
-        blobs: dict[str, bytes] = {}
+        pending = self._pending  # read from an artifact and not run yet: the bytes as they were read
+        blobs = dict(pending.blobs) if pending else {}
+        records = dict(pending.records) if pending else {}
+        records.update({n: trt_shim.engine_record(m) for n, m in self.engines.items()})
         for name, module in self.engines.items():
             blobs[f"{name}.engine"] = trt_shim.engine_bytes(module, self.needs_refit)
             cache = trt_shim.runtime_cache_bytes(module)
@@ -164,7 +175,7 @@ class TensorRTBackend(Backend):
             "kind": self.kind,
             "weights": self.config.weights,
             "program": self.program.to_json(),
-            "engines": {n: trt_shim.engine_record(m) for n, m in self.engines.items()},
+            "engines": records,
             "provenance": {k: list(v) for k, v in sorted(self.provenance.items())},
         }
         return BackendState(meta, blobs, dict(self.constants))
@@ -196,26 +207,66 @@ class TensorRTBackend(Backend):
             trt_shim.check_engine_record(rec)
             if f"{name}.engine" not in state.blobs:
                 raise ValueError(f"engine {name!r} has no .engine file")
-
-        def load(name: str) -> torch.nn.Module:
-            with torch.cuda.device(device):  # the current device is per thread
-                try:
-                    blob = state.blobs[f"{name}.engine"]
-                    module = trt_shim.engine_module(blob, records[name], name, device)
-                    trt_shim.use_runtime_cache(module, state.blobs.get(f"{name}.rtcache"))
-                except Exception as e:  # TensorRT's own errors on bytes it cannot read
-                    raise ValueError(f"TensorRT cannot load engine {name!r}: {type(e).__name__}: {e}") from e
-            return module
-
-        # engines load side by side: deserialisation is most of an artifact's load time
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            backend.engines = dict(zip(records, pool.map(load, records), strict=True))
+        backend._pending = _Pending(records, state.blobs, device)  # deserialised at first use
         backend.program = program
         backend.constants = {k: v.to(device) for k, v in state.tensors.items()}
         backend.provenance = provenance
         backend._bind()
         backend.build_s = 0.0
         return backend
+
+    @property
+    def is_loaded(self) -> bool:
+        """False while the engines ``from_state`` read are still bytes (until ``load``)."""
+        return self._pending is None
+
+    def load(self) -> None:
+        """Deserialise the engines ``from_state`` read (no-op when they are live). A set loaded from an
+        artifact loads at its first call, so a process pays only for the sets it runs;
+        ``CompiledTransformer.build()`` loads them all ahead."""
+        if self._pending is None:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise PRXCompileError(
+                f"the engines of {self.shapes.describe()} are not loaded yet, and TensorRT cannot load "
+                "them during a CUDA graph capture.",
+                "call .build() on the compiled module before capturing.",
+            )
+        with self._load_lock:  # two first calls at once load the set once
+            if self._pending is not None:
+                self._load(self._pending)
+
+    def _load(self, pending: _Pending) -> None:
+        t0 = time.perf_counter()
+
+        def load(name: str) -> torch.nn.Module:
+            with torch.cuda.device(pending.device):  # the current device is per thread
+                try:
+                    return trt_shim.engine_module(
+                        pending.blobs[f"{name}.engine"],
+                        pending.records[name],
+                        name,
+                        pending.device,
+                        runtime_cache=pending.blobs.get(f"{name}.rtcache"),
+                    )
+                except Exception as e:  # TensorRT's own errors on bytes it cannot read
+                    raise ArtifactError(
+                        f"TensorRT cannot load engine {name!r} of the set {self.shapes.describe()}: "
+                        f"{type(e).__name__}: {e}",
+                        "load the artifact with rebuild=True (another GPU or TensorRT version).",
+                    ) from e
+
+        # engines load side by side (TensorRT-RTX runs much of it one at a time: measured no faster)
+        with progress.stage(f"load engines ({self.shapes.describe()})"):
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                self.engines = dict(zip(pending.records, pool.map(load, pending.records), strict=True))
+        self._pending = None
+        logger.info(
+            "loaded %d engines in %.2f s: %s",
+            len(self.engines),
+            time.perf_counter() - t0,
+            self.shapes.describe(),
+        )
 
     # -- refit (weights="engine") ---------------------------------------------------------------
     @property
@@ -245,6 +296,7 @@ class TensorRTBackend(Backend):
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
         if self.config.weights == "inputs":
             return {"refit_s": 0.0, "graphs_valid": True, "engines_refit": 0}
+        self.load()
         t0 = time.perf_counter()
         changed = set(names)
         params = dict(self.model.named_parameters())
@@ -278,6 +330,15 @@ class TensorRTBackend(Backend):
             "engine_weights": sum(len(u) for _, u in plans),
             "engines_refit": len(plans),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """An engine set read from an artifact, validated, not deserialised yet."""
+
+    records: dict[str, dict[str, Any]]  # engine name -> engine_record
+    blobs: dict[str, bytes]  # "<name>.engine", "<name>.rtcache"
+    device: torch.device
 
 
 def _cuda_device(name: str) -> torch.device:

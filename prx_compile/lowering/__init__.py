@@ -2,9 +2,11 @@
 
 Each rule lives in its own file, has the signature ``(gm, settings) -> gm``, rewrites only what it
 can prove exact (anything else is left as is and logged at debug level) and logs how many nodes it
-rewrote. Two explicit lists say when they run:
+rewrote. ``fp8_mlp`` emits one op for three FP8 GEMMs: exact on a CPU, and on CUDA within one FP8
+code of the unfused ops per element (its Triton GELU rounds like torch's, from a different formula).
+Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select): ``lower(gm, settings)``, on the exported graph,
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp): ``lower(gm, settings)``, on the exported graph,
   before any backend sees it;
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
   decompositions (which would undo them), registered only while ``backends.tensorrt`` builds.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import attention, fold, select, shape_ints, unfold
+from . import attention, fold, fp8_mlp, select, shape_ints, unfold
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,12 @@ class LoweringSettings:
         keys], ``flash_attention`` for any other key mask; ``"tensorrt"`` — it is decomposed into
         matmul/softmax inside TensorRT (one engine, slower attention).
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
+    fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
     """
 
     attention: str = "flash"
     select_as_slice: bool = True
+    fp8_mlp: bool = True
 
     def __post_init__(self):
         if self.attention not in ATTENTION_FORMS:
@@ -75,6 +79,7 @@ register_rule("unfold")(unfold.rule)
 register_rule("fold")(fold.rule)
 register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
+register_rule("fp8_mlp")(fp8_mlp.rule)
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.
 ENGINE_RULES: dict[str, Rule] = {"shape_ints": shape_ints.rule}

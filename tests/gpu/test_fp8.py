@@ -1,11 +1,16 @@
-"""precision: fp8 on the GPU: the Triton row quantiser against the torch one, the FP8 GEMM op, and
+"""precision: fp8 on the GPU: the Triton quantisers against the torch ones, the FP8 GEMM and MLP ops, and
 compile_prx (TensorRT) with fp8 against the fp8 and bf16 eager models, under the text mask, with a LoRA."""
 
 import pytest
 import torch
 
 from prx_compile import compile_prx, fp8, load_lora, set_lora, unload_lora
-from prx_compile._kernels import row_quant_fp8, row_quant_fp8_torch
+from prx_compile._kernels import (
+    gelu_mul_quant_fp8,
+    gelu_mul_quant_fp8_torch,
+    row_quant_fp8,
+    row_quant_fp8_torch,
+)
 from prx_compile.bench import rel_err
 from prx_compile.lora import make_random_lora
 from prx_compile.testing import make_prx
@@ -26,6 +31,39 @@ def test_triton_row_quant_equals_the_torch_one(k):
     assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 1e-3
 
 
+def same_codes(q, s, q_ref, s_ref):
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    return (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("k", [64, 1792, 7168])
+def test_triton_gelu_mul_quant_equals_the_torch_one(k):
+    g, u = (torch.randn(300, k, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    assert same_codes(*gelu_mul_quant_fp8(g, u), *gelu_mul_quant_fp8_torch(g, u))
+
+
+def test_triton_quantisers_keep_nan_as_torch_does():
+    x = torch.randn(4, 1792, device="cuda", dtype=torch.bfloat16)
+    x[1, 7] = float("nan")
+    for q, _ in (row_quant_fp8(x), gelu_mul_quant_fp8(x, x), row_quant_fp8_torch(x)):
+        assert q.float()[1].isnan().any() and not q.float()[[0, 2, 3]].isnan().any()
+
+
+def test_fp8_gated_mlp_on_cuda_matches_the_three_linears():
+    x = torch.randn(2, 500, 1792, device="cuda", dtype=torch.bfloat16)
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for n, k in ((7168, 1792), (7168, 1792), (1792, 7168))
+    ]
+    (g8, gs), (u8, us), (d8, ds) = (fp8.quantize_weight(w) for w in ws)
+    out = torch.ops.prx_compile.fp8_gated_mlp(x, g8, gs, u8, us, d8, ds)
+    lin = torch.ops.prx_compile.fp8_linear
+    h = torch.nn.functional.gelu(lin(x, g8, gs, None), approximate="tanh") * lin(x, u8, us, None)
+    assert rel_err(out, lin(h, d8, ds, None)) < 1e-3  # the same GEMMs; codes may differ by one ulp
+    exact = (torch.nn.functional.gelu(x @ ws[0].T, approximate="tanh") * (x @ ws[1].T)) @ ws[2].T
+    assert 1e-2 < rel_err(out, exact) < 1e-1  # two FP8 roundings in a row (measured 6.6e-2)
+
+
 def test_fp8_linear_on_cuda_matches_its_definition():
     x = torch.randn(2, 500, 1792, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(5376, 1792, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -42,7 +80,9 @@ def test_compiled_fp8_matches_eager_under_the_mask_with_a_lora():
     full = {m: eager(model, inputs(model, masked=m, seed=m)) for m in (0, 40, 64)}
     ct = compile_prx(model, precision="fp8", static=True, specialize=[[512, 512, 2]], **RANGE).build()
     rep = ct.report()
-    assert rep["torch_ops"].get("prx_compile.fp8_linear.default") == 6 * SMALL_PRX["depth"], rep["torch_ops"]
+    ops = rep["torch_ops"]
+    assert ops.get("prx_compile.fp8_linear.default") == 3 * SMALL_PRX["depth"], ops
+    assert ops.get("prx_compile.fp8_gated_mlp.default") == SMALL_PRX["depth"], ops
     for masked, ref in full.items():
         kw = inputs(model, masked=masked, seed=masked)
         out = ct(**kw, return_dict=False)[0]

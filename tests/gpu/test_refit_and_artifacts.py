@@ -86,3 +86,24 @@ def test_engine_cache_hit_follows_the_live_weights(tmp_path):
     load_lora(second, make_random_lora(model, 16, seed=4, std=0.1), "d")
     assert rel_err(second(**kw, return_dict=False)[0], eager(model, kw)) < 2e-2
     assert rel_err(second(**kw, return_dict=False)[0], base) > 1e-2
+
+
+def test_a_loaded_artifact_deserialises_each_engine_set_at_its_first_call(tmp_path):
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, specialize=[[512, 512, 2]], **RANGE).build()  # a static set and the range
+    kw_static, kw_range = inputs(model), inputs(model, batch=1, seed=5)  # batch 1: only the range fits
+    want = [ct(**kw, return_dict=False)[0].clone() for kw in (kw_static, kw_range)]
+    save_compiled(ct, tmp_path / "a")
+    loaded = load_compiled(tmp_path / "a")
+    assert [b.is_loaded for b in loaded.backends] == [False, False]
+    assert loaded.report()["engines"] == ct.report()["engines"]  # counted without deserialising
+    assert torch.equal(loaded(**kw_static, return_dict=False)[0], want[0])
+    assert [b.is_loaded for b in loaded.backends] == [True, False]
+    live = next(iter(loaded.backends[0].engines.values()))
+    assert live.context is not None and getattr(live, "_prx_runtime", None) is not None  # one context
+    save_compiled(loaded, tmp_path / "b")  # a set never run is saved from the bytes it was read from
+    again = load_compiled(tmp_path / "b").build()
+    assert all(b.is_loaded for b in again.backends)
+    for kw, w in zip((kw_static, kw_range), want, strict=True):
+        assert torch.equal(again(**kw, return_dict=False)[0], w)
+    assert again.builds == 0 and loaded.builds == 0
