@@ -16,24 +16,14 @@ import torch.nn.functional as F
 
 from prx_compile import fp8
 from prx_compile._kernels import gelu_mul_quant_fp8, row_quant_fp8
-from prx_compile.bench import environment, rel_err
+from prx_compile.bench import environment, rel_err, time_cuda
 
 M, HIDDEN, MLP = 8192, 1792, 7168
 
 
-def timed(fn, iters=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def timed(fn) -> float:
+    """Median ms of 50 synchronised calls after 5 warm-ups."""
+    return time_cuda(fn, warmup=5, iters=50)["ms"]
 
 
 def main(out: str) -> None:

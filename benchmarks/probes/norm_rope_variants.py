@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from prx_compile import _kernels
+from prx_compile.bench import time_cuda
 
 
 @triton.jit
@@ -128,18 +129,7 @@ def main() -> None:
             for nw in (4, 8)
         ),
     ):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(50):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        rows[name] = sorted(times)[25]
+        rows[name] = time_cuda(fn, warmup=5, iters=50)["ms"]
         print(name, rows[name], flush=True)
     with open(out, "w") as fh:
         json.dump(rows, fh, indent=1)
