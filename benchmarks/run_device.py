@@ -22,6 +22,9 @@ Phases (full-size PRX, 1.17 B, bf16, non-degenerate weights; pipeline text mask)
   fp8_pipeline  a 28-step PRXPipeline's final latents (fp8 compile_prx against bf16 eager); a
               rank-64 LoRA switch with fp8 -> fp8_pipeline.json
   fp8_inductor  the inductor backend with fp8 at 1024² b2, with eager -> fp8_inductor.json
+  range_profile  832x1216 b2 (no specialised set): eager, torch.compile, the default call's range set,
+              the fp8 preset's range set, a static set for the shape; kernels of the bf16 range
+              and static sets by category -> range_profile.json
   fp8_profile  fp8 at 1024² b2 with and without the fp8_mlp rule, with eager; then the kernels of
               one fp8 step by category (torch.profiler, CUDA graphs off) -> fp8_profile.json
 Each speedup in a file is a ratio of numbers from the same process and run.
@@ -166,11 +169,36 @@ def kernel_categories(names_ms: dict[str, tuple[int, float]]) -> dict[str, float
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+def kernel_profile(ct, kw: dict[str, torch.Tensor]) -> dict:
+    """The kernels of one step of ``ct`` (built with CUDA graphs off): ms per step by name and by
+    category (torch.profiler over 3 steps, divided by 3), and the step time without graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = lambda: ct(**kw, return_dict=False)  # noqa: E731
+    no_graph_ms = time_cuda(step)["ms"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+            ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / 3
+            if ms > 0:
+                kernels[e.key] = (e.count // 3, ms)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
+    return {
+        "ms_per_step_without_graphs": no_graph_ms,
+        "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),
+        "by_category": kernel_categories(kernels),
+        "top_kernels": [{"name": k[:160], "calls": c, "ms": round(ms, 4)} for k, (c, ms) in top],
+        "report": ct.report(),
+    }
+
+
 def fp8_profile(out: Path, cache: str, ablation: bool) -> None:
     """fp8 (static, 1024² b2) with the fp8_mlp rule and, with ``ablation``, without it, against
     eager; then the kernels of one step of the first, by name and by category."""
-    from torch.profiler import ProfilerActivity, profile
-
     model = full_model()
     paths = {
         "eager": lambda m: m,
@@ -186,30 +214,44 @@ def fp8_profile(out: Path, cache: str, ablation: bool) -> None:
     ct = compile_prx(
         fp8_model, config="prx-1024-fp8", **FP8_STATIC, engine_cache_dir=cache, cuda_graphs=False
     )
-    kw = Case((1024, 1024), 2).inputs(model.config, torch.bfloat16, "cuda")
-    step = lambda: ct(**kw, return_dict=False)  # noqa: E731
-    no_graph_ms = time_cuda(step)["ms"]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
-            ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / 3
-            if ms > 0:
-                kernels[e.key] = (e.count // 3, ms)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
-    res["profile"] = {
-        "what": "compile_prx[static,fp8] at 1024² b2, CUDA graphs off, kernel times per step (3 steps / 3)",
-        "ms_per_step_without_graphs": no_graph_ms,
-        "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),
-        "by_category": kernel_categories(kernels),
-        "top_kernels": [{"name": k[:160], "calls": c, "ms": round(ms, 4)} for k, (c, ms) in top],
-        "report": ct.report(),
-    }
+    what = "compile_prx[static,fp8] at 1024² b2, CUDA graphs off, kernel times per step (3 steps / 3)"
+    res["profile"] = kernel_profile(ct, Case((1024, 1024), 2).inputs(model.config, torch.bfloat16, "cuda"))
+    res["profile"]["what"] = what
     (out / "fp8_profile.json").write_text(json.dumps(res, indent=1, default=str))
     log(f"profile: {json.dumps(res['profile']['by_category'])}")
+
+
+def range_profile(out: Path) -> None:
+    """832x1216 b2, a shape no preset specialises: eager, torch.compile, the default call (its range
+    set), the fp8 preset (its range set) and a static set for that shape, in one process; then the
+    kernels of one step of the bf16 range set and of the static set."""
+    model = full_model()
+    case, shape = Case((832, 1216), 2), [[832, 1216, 2]]
+    cache = tempfile.mkdtemp()  # the profiles below reuse the timed paths' engines
+    res = run_bench(
+        [case],
+        {
+            "eager": lambda m: m,
+            "torch.compile": lambda m: torch.compile(m),
+            "compile_prx[default,range]": compile_path(None, engine_cache_dir=cache),
+            "compile_prx[static 832x1216]": compile_path(
+                None, static=True, specialize=shape, engine_cache_dir=cache
+            ),
+            "compile_prx[prx-1024-fp8,range]": compile_path("prx-1024-fp8"),
+        },
+        model=model,
+        out_json=out / "range_profile.json",
+    )
+    print(table(res), flush=True)
+    kw = case.inputs(model.config, torch.bfloat16, "cuda")
+    res["profiles"] = {}
+    for label, kwargs in (("range", {}), ("static 832x1216", dict(static=True, specialize=shape))):
+        ct = compile_prx(model, engine_cache_dir=cache, cuda_graphs=False, **kwargs)
+        res["profiles"][label] = kernel_profile(ct, kw)
+        log(f"profile {label}: {json.dumps(res['profiles'][label]['by_category'])}")
+        (out / "range_profile.json").write_text(json.dumps(res, indent=1, default=str))
+        del ct
+        torch.cuda.empty_cache()
 
 
 def fp8_more(out: Path, cache: str) -> None:
@@ -489,6 +531,7 @@ def main() -> None:
         "fp8": lambda: fp8(args.out, fp8_cache),
         "fp8_more": lambda: fp8_more(args.out, fp8_cache),
         "fp8_inductor": lambda: fp8_inductor(args.out),
+        "range_profile": lambda: range_profile(args.out),
         "fp8_profile": lambda: fp8_profile(args.out, fp8_cache, args.ablation),
         "fp8_pipeline": lambda: fp8_pipeline(args.out, fp8_cache),
         "artifact_static": lambda: lora_and_artifact(

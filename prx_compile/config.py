@@ -24,6 +24,7 @@ ATTENTION = ("fused", "flash", "tensorrt")
 WEIGHTS = ("inputs", "engine")
 PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "error")
+RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
 #: Settings an engine depends on (besides the model and its shapes): a change means new engines, and
 #: the engine cache and artifacts key on them. Everything else is a runtime switch.
@@ -34,6 +35,7 @@ ENGINE_KEYS = (
     "attention",
     "select_as_slice",
     "fp8_mlp",
+    "range_linears",
     "weights",
     "optimization_level",
 )
@@ -78,6 +80,10 @@ class CompileConfig:
     fp8_mlp: with ``precision: fp8``, run each block's MLP as one ``fp8_gated_mlp`` op (three FP8
         GEMMs, the input quantised once, GELU * up quantised in one pass) instead of three FP8 linears
         with an engine for GELU * up between them.
+    range_linears: where the engine sets for a range of shapes run their linears (not the static
+        sets, which keep them in TensorRT): "torch" (cuBLAS, between engines; TensorRT-RTX runs
+        dynamic-shape GEMMs with slower Ampere kernels on Hopper) or "tensorrt". Only with
+        ``weights: inputs``; with ``weights: engine`` the engines own the weights and keep them.
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
     aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
@@ -103,6 +109,7 @@ class CompileConfig:
     cuda_graphs: bool = True
     select_as_slice: bool = True
     fp8_mlp: bool = True
+    range_linears: str = "torch"
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])
@@ -135,6 +142,7 @@ class CompileConfig:
                 "the FP8 weights are engine inputs, re-quantised in place by a LoRA; drop weights: engine.",
             )
         choice("on_shape_miss", ON_SHAPE_MISS)
+        choice("range_linears", RANGE_LINEARS)
         for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
@@ -277,14 +285,25 @@ class CompileConfig:
         return CompileConfig.from_dict({**self.to_dict(), **changes}, source="replace")
 
     # -- derived --------------------------------------------------------------------------------
-    def lowering(self):
-        """The ``LoweringSettings`` this config asks for."""
+    def lowering(self, shapes: ShapeRange | None = None):
+        """The ``LoweringSettings`` this config asks for, for TensorRT engines over ``shapes`` (None:
+        for a PyTorch backend, which keeps ``aten.linear`` for its own compiler)."""
         from .lowering import LoweringSettings
 
         return LoweringSettings(
             attention="tensorrt" if self.attention == "tensorrt" else "flash",
             select_as_slice=self.select_as_slice,
             fp8_mlp=self.fp8_mlp,
+            linears_in_torch=self.linears_in_torch(shapes),
+        )
+
+    def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
+        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``)."""
+        return (
+            shapes is not None
+            and not shapes.is_static()
+            and self.range_linears == "torch"
+            and self.weights == "inputs"
         )
 
     def torch_dtype(self) -> torch.dtype | None:

@@ -10,6 +10,8 @@
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
   FP8 GEMMs with the quantisations fused (rule ``lowering.fp8_mlp``).
+* ``torch.ops.prx_compile.linear`` — ``F.linear`` run by PyTorch (cuBLAS) between engines (rule
+  ``lowering.linear``, in range engine sets: ``CompileConfig.range_linears``).
 
 The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
@@ -415,8 +417,25 @@ def _(x, gate_fp8, gate_scale, up_fp8, up_scale, down_fp8, down_scale):
     return x.new_empty((*x.shape[:-1], down_fp8.shape[0]))
 
 
+@torch.library.custom_op(f"{_LIB}::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: (..., K) @ (N, K).T (+ (N,)) -> (..., N), as an op TensorRT does
+    not take, so that it runs in PyTorch (cuBLAS) between engines. Exactly ``aten.linear``."""
+    _expect(x.dim() >= 1 and weight.dim() == 2, "linear needs x (..., K) and weight (N, K)")
+    n, k = weight.shape
+    _expect(x.shape[-1] == k, f"linear: x has {x.shape[-1]} features, weight {k}")
+    _expect(bias is None or tuple(bias.shape) == (n,), f"bias must have shape ({n},)")
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
 FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
 FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default
+LINEAR = torch.ops.prx_compile.linear.default

@@ -42,6 +42,7 @@ def _ops() -> dict[str, Callable]:
         prx.flash_attention.default,
         prx.fp8_linear.default,
         prx.fp8_gated_mlp.default,
+        prx.linear.default,
         aten.sym_size.int,
         aten.view.default,
         aten.reshape.default,

@@ -79,6 +79,7 @@ def test_engine_sets_specialised_first_then_the_range():
         ({"on_shape_miss": "rebuild"}, r"on_shape_miss='rebuild'.*build.*error"),
         ({"engine_cache_dir": 5}, r"engine_cache_dir=5 must be a directory path"),
         ({"opt_batch": 3}, r"opt_batch=3 must be an integer in \[1, 2\]"),
+        ({"range_linears": "cublas"}, r"range_linears='cublas'.*torch.*tensorrt"),
     ],
 )
 def test_bad_values_name_key_and_allowed(bad, match):
@@ -128,6 +129,7 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
     assert set(ENGINE_KEYS) <= set(cfg.to_dict())
     assert cfg.engine_settings() == CompileConfig.resolve(p, cuda_graphs=False).engine_settings()
     assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
+    assert cfg.engine_settings() != CompileConfig.resolve(p, range_linears="tensorrt").engine_settings()
     assert (
         cfg.lowering().attention == "flash"
         and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"

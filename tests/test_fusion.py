@@ -1,5 +1,10 @@
 """The fused PRX attention (``attention: fused``): processor swap, export, and numbers against eager."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from diffusers.models.normalization import RMSNorm
@@ -51,6 +56,36 @@ def test_norm_rope_reference_is_diffusers_arithmetic(dtype):
     assert got.dtype == ref.dtype and torch.equal(got, ref)
     with torch.no_grad():
         assert torch.equal(qk_norm_rope_torch(x, norm.weight, 1e-6), norm(x))
+
+
+_NORM_ROPE_CHECK = """
+import torch
+from prx_compile import _kernels
+from prx_compile.ops import qk_norm_rope_torch
+
+g = torch.Generator().manual_seed(1)
+b, seq, h, d = 2, 7, 3, 16  # 42 rows: not a multiple of the kernel's 16-row blocks
+qkv = torch.randn(b, seq, 3, h, d, generator=g) * 3  # q, k, v: strided slices, as of a fused QKV
+w = 1 + 0.3 * torch.randn(d, generator=g)
+theta = torch.randn(b, seq, d // 2, generator=g) * 3
+rope = torch.stack([theta.cos(), -theta.sin(), theta.sin(), theta.cos()], -1).reshape(b, seq, d // 2, 2, 2)
+for r in (rope, None):
+    got, v = _kernels.qk_norm_rope(qkv[:, :, 1], w, 1e-6, r, qkv[:, :, 2])
+    torch.testing.assert_close(got, qk_norm_rope_torch(qkv[:, :, 1], w, 1e-6, r), rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous() and torch.equal(v, qkv[:, :, 2])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_triton_norm_rope_kernel_in_the_interpreter():
+    """The Triton Q/K norm + RoPE kernel's indexing (row blocks, RoPE pairs, strided q/k/v, a
+    partial last block) on the CPU through TRITON_INTERPRET, in fp32 (the interpreter's bf16 casts
+    do not round as the GPU does; tests/gpu compares bf16 on the device). In a new process: the
+    interpreter must be on before triton is first imported."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", _NORM_ROPE_CHECK], env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
 
 
 def test_export_has_one_prx_attention_per_block_and_no_sdpa():

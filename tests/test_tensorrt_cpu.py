@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from prx_compile import BackendUnavailableError
-from prx_compile.backends import trt_shim
-from prx_compile.backends.tensorrt import _check_provenance, _match_constant
+from prx_compile.backends import tensorrt, trt_shim
+from prx_compile.backends.tensorrt import TensorRTBackend, _check_provenance, _match_constant
+from prx_compile.config import CompileConfig
+from prx_compile.export import ShapeRange
+from prx_compile.ops import LINEAR, PRX_ATTENTION
 
 
 def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=False, device=None, **kwargs):
@@ -57,3 +60,22 @@ def test_saved_provenance_is_validated():
     ):
         with pytest.raises(ValueError):
             _check_provenance(bad, params)
+
+
+@pytest.mark.parametrize(
+    "shapes,overrides,in_torch",
+    [
+        (ShapeRange((1, 2), (64, 128), (64, 128), (1, 256)), {}, True),
+        (ShapeRange.static(2, 128, 128, 256), {}, False),  # a static set: GEMMs fused in TensorRT
+        (ShapeRange((1, 2), (64, 128), (64, 128), (1, 256)), {"range_linears": "tensorrt"}, False),
+    ],
+)
+def test_range_sets_leave_their_linears_to_pytorch(monkeypatch, shapes, overrides, in_torch):
+    monkeypatch.setattr(trt_shim, "compile_settings", lambda required, optional: {**optional, **required})
+    monkeypatch.setattr(tensorrt, "_cuda_device", str)  # no CUDA on this machine
+    backend = TensorRTBackend.__new__(TensorRTBackend)  # settings() only: no Torch-TensorRT needed
+    backend.config, backend.shapes = CompileConfig(**overrides), shapes
+    got = backend.settings()
+    assert PRX_ATTENTION in got["torch_executed_ops"]
+    assert (LINEAR in got["torch_executed_ops"]) is in_torch
+    assert (got.get("min_block_size") == 1) is in_torch

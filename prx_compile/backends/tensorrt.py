@@ -39,7 +39,7 @@ from .. import progress
 from ..errors import ArtifactError, LoRAError, PRXCompileError
 from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import ENGINE_RULES, lower
-from ..ops import FLASH_ATTENTION, FP8_GATED_MLP, FP8_LINEAR, JOINT_ATTENTION, PRX_ATTENTION
+from ..ops import FLASH_ATTENTION, FP8_GATED_MLP, FP8_LINEAR, JOINT_ATTENTION, LINEAR, PRX_ATTENTION
 from ..program import Program, from_graph_module
 from . import trt_shim
 from .base import Backend, BackendState
@@ -79,11 +79,14 @@ class TensorRTBackend(Backend):
         kept = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION} if cfg.attention != "tensorrt" else set()
         if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
             kept |= {FP8_LINEAR, FP8_GATED_MLP}
+        linears_in_torch = cfg.linears_in_torch(self.shapes)
+        if linears_in_torch:  # a range set's GEMMs: cuBLAS (rule ``linear``)
+            kept.add(LINEAR)
         if kept:
             required["torch_executed_ops"] = kept
         optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
-        if cfg.precision == "fp8":  # the few ops between two FP8 ops (a reshape, a residual) go to TensorRT
-            optional["min_block_size"] = 1
+        if cfg.precision == "fp8" or linears_in_torch:
+            optional["min_block_size"] = 1  # the few ops between two GEMM ops (GELU * up, a residual)
         if cfg.optimization_level is not None:
             optional["optimization_level"] = cfg.optimization_level
         return trt_shim.compile_settings(required, optional)
@@ -110,7 +113,7 @@ class TensorRTBackend(Backend):
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
         with progress.stage("lower (prx_compile rules)"):
-            lower(ep.graph_module, cfg.lowering())
+            lower(ep.graph_module, cfg.lowering(self.shapes))
         kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
         if names is not None:  # shapes only: Input.from_tensor would copy every weight
             params = weight_tensors(self.model)

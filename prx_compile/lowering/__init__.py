@@ -6,8 +6,8 @@ rewrote. ``fp8_mlp`` emits one op for three FP8 GEMMs: exact on a CPU, and on CU
 code of the unfused ops per element (its Triton GELU rounds like torch's, from a different formula).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp): ``lower(gm, settings)``, on the exported graph,
-  before any backend sees it;
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, linear): ``lower(gm, settings)``, on the
+  exported graph, before any backend sees it (``linear`` only for TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
   decompositions (which would undo them), registered only while ``backends.tensorrt`` builds.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import attention, fold, fp8_mlp, select, shape_ints, unfold
+from . import attention, fold, fp8_mlp, linear, select, shape_ints, unfold
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,13 @@ class LoweringSettings:
         matmul/softmax inside TensorRT (one engine, slower attention).
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
+    linears_in_torch: rewrite every ``aten.linear`` into ``prx_compile::linear`` (run by PyTorch).
     """
 
     attention: str = "flash"
     select_as_slice: bool = True
     fp8_mlp: bool = True
+    linears_in_torch: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_FORMS:
@@ -80,6 +82,7 @@ register_rule("fold")(fold.rule)
 register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
+register_rule("linear")(linear.rule)
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.
 ENGINE_RULES: dict[str, Rule] = {"shape_ints": shape_ints.rule}

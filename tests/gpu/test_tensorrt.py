@@ -57,6 +57,10 @@ def test_specialised_set_then_range_set(compiled):
         assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
     rng = max(ct.backends, key=lambda b: b.shapes.volume())
     assert rng.is_built and not rng.shapes.is_static()
+    # range_linears: torch: with weights as inputs, the range set's GEMMs run in cuBLAS
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    in_torch = rng.report()["torch_ops"].get("prx_compile.linear.default", 0)
+    assert in_torch == (linears if ct.compile_config.weights == "inputs" else 0), rng.report()["torch_ops"]
 
 
 def test_weights_modes_differ_where_expected(compiled):
