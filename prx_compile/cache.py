@@ -2,7 +2,8 @@
 
 An entry is an artifact of kind "cache-entry" (``artifact.py``) holding one backend's state under
 ``<engine_cache_dir>/<key>``. The key covers what engines depend on: the model's architecture
-(its config), the engine set's shapes, the engine-affecting settings (``config.ENGINE_KEYS``), the
+(its config), the engine set's shapes, the engine-affecting settings (``config.ENGINE_KEYS``, and
+whether this set's linears run in PyTorch: ``range_linears`` for range sets), the
 library versions and the GPU, and, only with ``weights: engine`` (weights baked into engines), the
 weights themselves. With ``weights: inputs`` a fine-tuned model or a LoRA is a cache hit.
 
@@ -51,6 +52,7 @@ def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
         "class": type(backend.model).__name__,
         "shapes": backend.shapes.to_dict(),
         "settings": {**cfg.engine_settings(), "dtype": str(next(backend.model.parameters()).dtype)},
+        "linears_in_torch": cfg.linears_in_torch(backend.shapes),  # range_linears, for this set
         "versions": artifact.versions(cfg.backend == "tensorrt"),
         "gpu": artifact.gpu() if cfg.backend == "tensorrt" else None,
         "inputs": {k: str(v.dtype) for k, v in sorted(example.items())},

@@ -35,7 +35,6 @@ ENGINE_KEYS = (
     "attention",
     "select_as_slice",
     "fp8_mlp",
-    "range_linears",
     "weights",
     "optimization_level",
 )
@@ -298,9 +297,11 @@ class CompileConfig:
         )
 
     def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
-        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``)."""
+        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``).
+        The engine cache keys on this per engine set, so ``range_linears`` changes no static set."""
         return (
-            shapes is not None
+            self.backend == "tensorrt"
+            and shapes is not None
             and not shapes.is_static()
             and self.range_linears == "torch"
             and self.weights == "inputs"

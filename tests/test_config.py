@@ -129,8 +129,27 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
     assert set(ENGINE_KEYS) <= set(cfg.to_dict())
     assert cfg.engine_settings() == CompileConfig.resolve(p, cuda_graphs=False).engine_settings()
     assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
-    assert cfg.engine_settings() != CompileConfig.resolve(p, range_linears="tensorrt").engine_settings()
     assert (
         cfg.lowering().attention == "flash"
         and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"
     )
+
+
+def test_range_linears_keys_the_engine_cache_of_range_sets_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from prx_compile import artifact, cache
+    from prx_compile.export import ShapeRange
+    from prx_compile.testing import make_prx
+
+    monkeypatch.setattr(artifact, "versions", lambda with_tensorrt: {})  # no Torch-TensorRT here
+    model = make_prx()
+    rng, static = ShapeRange((1, 2), (8, 16), (8, 16), (1, 12)), ShapeRange.static(2, 16, 16, 12)
+
+    def key(shapes, **overrides):
+        backend = SimpleNamespace(config=CompileConfig(**overrides), shapes=shapes, model=model)
+        return cache.cache_key(backend, {})
+
+    assert key(rng) != key(rng, range_linears="tensorrt")
+    assert key(static) == key(static, range_linears="tensorrt")  # static sets: GEMMs in TensorRT either way
+    assert key(rng, weights="engine") == key(rng, weights="engine", range_linears="tensorrt")
