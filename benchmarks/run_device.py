@@ -12,7 +12,8 @@ Phases (full-size PRX, 1.17 B, bf16, non-degenerate weights; pipeline text mask)
               -> modes_1024_b2.json
   lora        rank-64 LoRA over the 96 attention and MLP linears: load, switch, unload seconds, step
               time before and after, output against eager with the same LoRA -> lora_artifact.json
-  artifact    save (size, seconds), load in a new process (seconds to a finished first step),
+  artifact    save (size with a rank-64 LoRA and without one, seconds), load in a new process
+              (seconds to a finished first step),
               bit-identical outputs; GPU memory with one engine set and with three -> lora_artifact.json
   artifact_static  the same for the static preset (one engine set; from --cache when the fp8 phase
               built it) -> artifact_static.json
@@ -454,6 +455,9 @@ def lora_and_artifact(
         build_all_s = sum(b.build_s or 0 for b in ct.backends)
         mem_all = torch.cuda.mem_get_info()
         size = sum(p.stat().st_size for p in (tmp / "art").rglob("*") if p.is_file())
+        unload_lora(ct)  # the same artifact without an adapter: the weights and the engines
+        save_compiled(ct, tmp / "plain")
+        plain = sum(p.stat().st_size for p in (tmp / "plain").rglob("*") if p.is_file())
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         torch.save({k: v.cpu() for k, v in kw.items()}, tmp / "kw.pt")
         torch.save(expected.cpu(), tmp / "expected.pt")
@@ -492,6 +496,7 @@ print(json.dumps({{"import_s": t_import, "load_s": load_s, "load_to_first_step_s
                 "path": "artifact",
                 "weights": "inputs",
                 "size_gb": size / 1e9,
+                "size_gb_without_lora": plain / 1e9,
                 "weights_gb": weights / 1e9,
                 "save_s": save_s,
                 "engine_sets": len(ct.backends),
