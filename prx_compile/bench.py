@@ -208,15 +208,6 @@ PATHS: dict[str, Factory] = {
 }
 
 
-def _serving_set(fn: Any, kw: dict[str, torch.Tensor]) -> Any:
-    """The built engine set of a CompiledTransformer that serves ``kw``'s shape (the most specific
-    one that fits, as the call picks it), or None."""
-    b, _, h, w = kw["hidden_states"].shape
-    t = kw["encoder_hidden_states"].shape[1]
-    fits = [be for be in getattr(fn, "backends", []) if be.is_built and be.shapes.fits(b, h, w, t)]
-    return min(fits, key=lambda be: be.shapes.volume()) if fits else None
-
-
 def run_bench(
     cases: list[Case],
     paths: list[str] | dict[str, Factory],
@@ -303,8 +294,9 @@ def run_bench(
                 rec.extra.update({k: t[k] for k in ("mean", "p90")})
                 if hasattr(fn, "report"):
                     r = fn.report()
-                    served = _serving_set(fn, kw)  # engines and segments of the set that ran this case
-                    s = served.report() if served is not None else r
+                    # engines and segments of the set that ran this case
+                    served = fn.engine_set_for(kw) if hasattr(fn, "engine_set_for") else None
+                    s = served.report() if served is not None and served.is_built else r
                     rec.engines, rec.torch_segments = s["engines"], s["torch_segments"]
                     rec.weights = r["weights"]
                     rec.extra.update(

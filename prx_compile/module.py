@@ -247,12 +247,20 @@ class CompiledTransformer(torch.nn.Module):
             ):
                 raise ConfigError(f"{k} is on {v.device}, the compiled transformer runs on {self._device}.")
 
-    def _backend_for(self, inputs: dict[str, torch.Tensor]) -> Backend:
-        """The most specific engine set that fits (built on first use), or a new one on a miss."""
+    def engine_set_for(self, inputs: dict[str, torch.Tensor]) -> Backend | None:
+        """The engine set a call with ``inputs`` runs: the most specific one that fits (built or not),
+        or None when none fits (a call would then build one, or raise). Nothing is built here."""
         b, _, h, w = inputs["hidden_states"].shape
         t = inputs["encoder_hidden_states"].shape[1]
-        fits = [i for i, be in enumerate(self.backends) if be.shapes.fits(b, h, w, t)]
-        if not fits:
+        fits = [be for be in self.backends if be.shapes.fits(b, h, w, t)]
+        return min(fits, key=lambda be: be.shapes.volume()) if fits else None
+
+    def _backend_for(self, inputs: dict[str, torch.Tensor]) -> Backend:
+        """The most specific engine set that fits (built on first use), or a new one on a miss."""
+        backend = self.engine_set_for(inputs)
+        if backend is None:
+            b, _, h, w = inputs["hidden_states"].shape
+            t = inputs["encoder_hidden_states"].shape[1]
             sets = "; ".join(be.shapes.describe() for be in self.backends)
             shape = f"batch {b}, latent {h}x{w}, text {t} tokens"
             problems = self.shapes.problems(b, h, w, t)
@@ -266,10 +274,9 @@ class CompiledTransformer(torch.nn.Module):
             self.backends.append(
                 make_backend(self.transformer, self.compile_config, ShapeRange.static(b, h, w, t, patch))
             )
-            fits = [len(self.backends) - 1]
             t0 = time.perf_counter()
             try:
-                self._build_backend(fits[0])
+                backend = self._build_backend(len(self.backends) - 1)
             except BaseException:
                 self.backends.pop()  # no half-made set stays behind
                 raise
@@ -280,11 +287,11 @@ class CompiledTransformer(torch.nn.Module):
                 time.perf_counter() - t0,
                 sets,
             )
-        i = min(fits, key=lambda j: self.backends[j].shapes.volume())
-        if not self.backends[i].is_built:
-            self._build_backend(i)
-        self.backends[i].load()  # before any CUDA graph capture
-        return self.backends[i]
+        if not backend.is_built:
+            i = next(i for i, be in enumerate(self.backends) if be is backend)
+            backend = self._build_backend(i)  # a cache hit replaces the set in self.backends
+        backend.load()  # before any CUDA graph capture
+        return backend
 
     def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         for module in self._fp8:  # weights edited in place outside load_lora (load_state_dict, copy_)

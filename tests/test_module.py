@@ -75,9 +75,13 @@ def test_the_most_specific_engine_set_runs_and_is_built_at_first_use():
     assert [b.shapes.is_static() for b in ct.backends] == [True, True, False]
     assert not any(b.is_built for b in ct.backends)
     kw = prx_inputs(model, h=16, w=16, text=16)
+    assert ct.engine_set_for(kw) is ct.backends[0]  # named without building anything
+    assert ct.engine_set_for(prx_inputs(model, batch=3, h=16, w=16)) is None
+    assert not any(b.is_built for b in ct.backends)
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
     assert [b.is_built for b in ct.backends] == [True, False, False]
     kw = prx_inputs(model, h=16, w=16, text=9)  # text length 9: only the range fits
+    assert ct.engine_set_for(kw) is ct.backends[2]
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
     assert [b.is_built for b in ct.backends] == [True, False, True] and ct.builds == 2
     ct.build()  # the rest, ahead
