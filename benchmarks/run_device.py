@@ -68,7 +68,8 @@ def perf(out: Path, modes: list[str], peers: bool) -> None:
         cache = tempfile.mkdtemp()  # the static preset's set is the default's 1024² b2 set: built once
         paths = {} if not peers else {"eager": lambda m: m, "torch.compile": lambda m: torch.compile(m)}
         paths[f"compile_prx[default,{mode}]"] = compile_path(None, weights=mode, engine_cache_dir=cache)
-        res = run_bench(shapes, paths, model=model, out_json=out / f"perf_{mode}.json")
+        path_json = out / f"perf_{mode}.json"
+        res = run_bench(shapes, paths, model=model, out_json=path_json)
         static = run_bench(
             shapes[:1],
             {
@@ -78,12 +79,14 @@ def perf(out: Path, modes: list[str], peers: bool) -> None:
             },
             model=model,
         )
+        res["records"] += static["records"]
+        path_json.write_text(json.dumps(res, indent=1, default=str))  # kept if a later part times out
         small = [Case((512, 512), 2)]
         small_paths = {} if not peers else {"eager": lambda m: m, "torch.compile": lambda m: torch.compile(m)}
         small_paths[f"compile_prx[prx-bins-bf16,{mode}]"] = compile_path("prx-bins-bf16", weights=mode)
         bins = run_bench(small, small_paths, model=model)
-        res["records"] += static["records"] + bins["records"]
-        (out / f"perf_{mode}.json").write_text(json.dumps(res, indent=1, default=str))
+        res["records"] += bins["records"]
+        path_json.write_text(json.dumps(res, indent=1, default=str))
         print(table(res), flush=True)
         peers = False  # eager and torch.compile once per run
 
