@@ -35,6 +35,7 @@ ENGINE_KEYS = (
     "attention",
     "select_as_slice",
     "fp8_mlp",
+    "share_engines",
     "weights",
     "optimization_level",
 )
@@ -83,6 +84,10 @@ class CompileConfig:
         sets, which keep them in TensorRT): "torch" (cuBLAS, between engines; TensorRT-RTX runs
         dynamic-shape GEMMs with slower Ampere kernels on Hopper) or "tensorrt". Only with
         ``weights: inputs``; with ``weights: engine`` the engines own the weights and keep them.
+    share_engines: with ``weights: inputs``, partitions that compute the same thing (the
+        transformer blocks) run one engine, built once, with each block's weights bound at its call
+        (``backends.repeats``); false builds an engine per partition, as 0.5 did. With
+        ``weights: engine`` every engine holds its own block's weights, so none is shared.
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
     aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
@@ -109,6 +114,7 @@ class CompileConfig:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     range_linears: str = "torch"
+    share_engines: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])
@@ -142,7 +148,7 @@ class CompileConfig:
             )
         choice("on_shape_miss", ON_SHAPE_MISS)
         choice("range_linears", RANGE_LINEARS)
-        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp"):
+        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "share_engines"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
         for key in ("batch", "text_len"):

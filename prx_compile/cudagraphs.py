@@ -9,6 +9,7 @@ the captured launches read have moved).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -31,6 +32,7 @@ class CUDAGraphRunner:
         self.graphs: OrderedDict = OrderedDict()
         self.pool = pool
         self.captures = 0
+        self.capture_s: float | None = None  # seconds of the last capture (warm-ups not counted)
         self.failures: dict[tuple, str] = {}  # input signatures that cannot be captured, and why
 
     @staticmethod
@@ -51,8 +53,11 @@ class CUDAGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.fn(**static)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
         self.captures += 1
         logger.info("captured a CUDA graph for %s", {k: tuple(v.shape) for k, v in inputs.items()})
         return graph, static, out

@@ -294,6 +294,20 @@ class CompiledTransformer(torch.nn.Module):
         return backend
 
     def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step on ``backend``; its first one in this process is timed into ``backend.timings``
+        (``first_run_s``: JIT kernels and warm-ups included; ``graph_capture_s``)."""
+        if "first_run_s" in backend.timings:
+            return self._step(backend, inputs)
+        with progress.stage(f"first step ({backend.shapes.describe()})", backend.timings, "first_run_s"):
+            out = self._step(backend, inputs)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+        runner = self._graphs.get(id(backend))
+        if runner is not None and runner.capture_s is not None:
+            backend.timings["graph_capture_s"] = runner.capture_s
+        return out
+
+    def _step(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         for module in self._fp8:  # weights edited in place outside load_lora (load_state_dict, copy_)
             module.refresh()
         if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
@@ -364,10 +378,11 @@ class CompiledTransformer(torch.nn.Module):
         return total
 
     def report(self) -> dict[str, Any]:
-        """Engine sets (shapes, engines, PyTorch segments, ops kept in PyTorch, build time), versions."""
+        """Engine sets (shapes, engines (distinct) and engine calls, PyTorch segments, ops kept in
+        PyTorch, build time and where a set's first call went: ``timings``), versions."""
         built = [b for b in self.backends if b.is_built]
         sets = [
-            {"shapes": b.shapes.describe(), "build_s": b.build_s, **b.report()}
+            {"shapes": b.shapes.describe(), "build_s": b.build_s, "timings": dict(b.timings), **b.report()}
             if b.is_built
             else {"shapes": b.shapes.describe(), "build_s": None}
             for b in self.backends

@@ -39,12 +39,17 @@ def _tty() -> bool:
 
 
 @contextlib.contextmanager
-def stage(desc: str) -> Iterator[None]:
-    """An opaque step: a bar while it runs in a terminal, one line with its duration elsewhere."""
+def stage(desc: str, times: dict[str, float] | None = None, key: str = "") -> Iterator[None]:
+    """An opaque step: a bar while it runs in a terminal, one line with its duration elsewhere.
+    With ``times``, its seconds are also stored as ``times[key]`` (shown or not)."""
+    t0 = time.perf_counter()
+    if times is not None:
+        with _timed(times, key, t0), stage(desc):
+            yield
+        return
     if not enabled():
         yield
         return
-    t0 = time.perf_counter()
     if not _tty():
         yield
         print(f"prx-compile: {desc}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
@@ -58,6 +63,14 @@ def stage(desc: str) -> Iterator[None]:
         bar.update(1)
     finally:
         bar.close()
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], key: str, t0: float) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        times[key] = time.perf_counter() - t0
 
 
 def items(iterable: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:

@@ -240,3 +240,22 @@ def test_empty_inputs_and_peft_layers_are_refused():
     model.peft_config = {"default": object()}  # what diffusers' load_lora_weights leaves on the model
     with pytest.raises(ConfigError, match="PEFT adapters.*prx_compile.load_lora"):
         ct(**prx_inputs(model, h=16, w=16), return_dict=False)
+
+
+def test_report_says_where_each_sets_first_call_went(capsys):
+    from prx_compile import progress
+
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", static=True, specialize=[[16, 16, 2]], **SMALL_RANGE)
+    with progress.reporting(True):
+        out = ct(**prx_inputs(model, text=16), return_dict=False)[0]
+    assert (out - eager(model, prx_inputs(model, text=16))).abs().max() <= 1e-5
+    (only,) = ct.report()["engine_sets"]
+    times = only["timings"]
+    assert set(times) == {"export_s", "lower_s", "compile_s", "first_run_s"}, times
+    assert all(v >= 0 for v in times.values()) and times["export_s"] > 0
+    assert only["build_s"] >= times["export_s"] + times["lower_s"]
+    err = capsys.readouterr().err
+    assert "export (" in err and "first step (" in err
+    ct(**prx_inputs(model, text=16, seed=1), return_dict=False)  # a later call times nothing more
+    assert ct.report()["engine_sets"][0]["timings"] == times

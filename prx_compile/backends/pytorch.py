@@ -26,16 +26,17 @@ class TorchBackend(Backend):
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         cfg = self.config
-        with progress.stage(f"export ({self.shapes.describe()})"):
+        times = self.timings
+        with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
             ep, self.weight_names = export_prx(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
-        with progress.stage("lower (prx_compile rules)"):
+        with progress.stage("lower (prx_compile rules)", times, "lower_s"):
             gm = lower(ep.module(), cfg.lowering())
         self.graph_module = gm
         dynamic = not self.shapes.is_static()
         self.fn = torch.compile(gm, dynamic=dynamic) if cfg.backend == "inductor" else gm
-        with progress.stage(f"build ({cfg.backend})"), torch.no_grad():
+        with progress.stage(f"build ({cfg.backend})", times, "compile_s"), torch.no_grad():
             self(**example)  # inductor compiles here
         self.build_s = time.perf_counter() - t0
 

@@ -43,6 +43,7 @@ from ..ops import FLASH_ATTENTION, FP8_GATED_MLP, FP8_LINEAR, JOINT_ATTENTION, L
 from ..program import Program, from_graph_module
 from . import trt_shim
 from .base import Backend, BackendState
+from .repeats import SharedEngines
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9_]{1,100}")
@@ -108,11 +109,12 @@ class TensorRTBackend(Backend):
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         cfg, ttrt = self.config, trt_shim.torch_tensorrt()
-        with progress.stage(f"export ({self.shapes.describe()})"):
+        times = self.timings = {}
+        with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
             ep, names = export_prx(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
-        with progress.stage("lower (prx_compile rules)"):
+        with progress.stage("lower (prx_compile rules)", times, "lower_s"):
             lower(ep.graph_module, cfg.lowering(self.shapes))
         kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
         if names is not None:  # shapes only: Input.from_tensor would copy every weight
@@ -121,12 +123,21 @@ class TensorRTBackend(Backend):
                 ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
             ]
         settings = self.settings()
-        with progress.stage("build TensorRT engines"), self._build_hooks(), torch.no_grad():
+        # weights as inputs: identical partitions (the blocks) are one engine, built once
+        sharing = SharedEngines() if cfg.weights == "inputs" and cfg.share_engines else None
+        converting = trt_shim.converting_with(sharing.wrap) if sharing else contextlib.nullcontext()
+        with (
+            progress.stage("build TensorRT engines", times, "compile_s"),
+            self._build_hooks(),
+            converting,
+            torch.no_grad(),
+        ):
             gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
-        self.engines = {n: m for n, m in gm.named_children() if isinstance(m, trt_shim.engine_classes())}
-        self.program, self.constants = from_graph_module(
-            gm, engines=set(self.engines), weight_names=names, params=weight_tensors(self.model)
+        self.program, self.engines, self.constants = program_of(
+            gm, trt_shim.engine_classes(), names, weight_tensors(self.model)
         )
+        if sharing is not None:
+            times["engines_build_s"] = sum(sharing.seconds.values())
         for module in self.engines.values():
             trt_shim.use_runtime_cache(module, None)
         self._bind()
@@ -154,7 +165,9 @@ class TensorRTBackend(Backend):
         sizes = [len(pending.blobs[f"{n}.engine"]) for n in pending.records] if pending else []
         sizes += [len(m.serialized_engine) for m in self.engines.values()]
         return {
-            "engines": len(sizes),
+            "engines": len(sizes),  # distinct engines: a block's engine runs once per block
+            "engine_calls": sum(st.op == "engine" for st in self.program.steps),
+            "context_mb": sum(trt_shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
             "torch_segments": self.program.segments,
             "torch_ops": self.program.torch_ops(),
             "engine_mb": sum(sizes) / 2**20,
@@ -264,6 +277,7 @@ class TensorRTBackend(Backend):
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
                 self.engines = dict(zip(pending.records, pool.map(load, pending.records), strict=True))
         self._pending = None
+        self.timings["load_s"] = time.perf_counter() - t0
         logger.info(
             "loaded %d engines in %.2f s: %s",
             len(self.engines),
@@ -333,6 +347,31 @@ class TensorRTBackend(Backend):
             "engine_weights": sum(len(u) for _, u in plans),
             "engines_refit": len(plans),
         }
+
+
+def program_of(
+    gm: torch.fx.GraphModule,
+    engine_classes: tuple[type, ...],
+    weight_names: list[str] | None,
+    params: dict[str, torch.Tensor],
+) -> tuple[Program, dict[str, torch.nn.Module], dict[str, torch.Tensor]]:
+    """(Program, engines by name, constants) of Torch-TensorRT's partitioned module.
+
+    An engine module set as several partitions (``SharedEngines``) is one engine: it is kept under
+    the first partition's name, and every step that calls it uses that name, so the Program, the
+    saved state and the cache hold it once."""
+    # gm._modules, not named_children(): that lists a module set under several names once
+    children = {n: m for n, m in gm._modules.items() if isinstance(m, engine_classes)}
+    first_name: dict[int, str] = {}
+    canonical = {n: first_name.setdefault(id(m), n) for n, m in children.items()}
+    program, constants = from_graph_module(
+        gm, engines=set(children), weight_names=weight_names, params=params
+    )
+    program.steps = [
+        dataclasses.replace(st, engine=canonical[st.engine]) if st.op == "engine" else st
+        for st in program.steps
+    ]
+    return program, {n: children[n] for n in first_name.values()}, constants
 
 
 @dataclasses.dataclass(frozen=True)

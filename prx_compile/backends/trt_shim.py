@@ -7,11 +7,14 @@ the default), ``PythonTorchTensorRTModule`` is gone in 2.13. torch_tensorrt is i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -330,3 +333,34 @@ def _setup_engine(module: torch.nn.Module, runtime_cache: bytes | None) -> None:
     if ttrt.runtime.get_cudagraphs_mode():
         module.cudagraph = torch.cuda.CUDAGraph()
     module.is_shape_inference_io = {n: engine.is_shape_inference_io(n) for n in names_in}
+
+
+@contextlib.contextmanager
+def converting_with(wrap: Any) -> Iterator[None]:
+    """Within the block, ``torch_tensorrt.dynamo.compile`` converts each partition with
+    ``wrap(convert_module)`` (e.g. ``repeats.SharedEngines().wrap``) instead of its own
+    ``convert_module``: 2.11's ``compile_module`` calls the name it imported, once per partition,
+    then sets the returned module as that partition's child. One build at a time (a lock)."""
+    torch_tensorrt()
+    from torch_tensorrt.dynamo import _compiler
+
+    with _CONVERT_LOCK:
+        original = _compiler.convert_module
+        _compiler.convert_module = wrap(original)
+        try:
+            yield
+        finally:
+            _compiler.convert_module = original
+
+
+_CONVERT_LOCK = threading.Lock()
+
+
+def context_memory_bytes(module: torch.nn.Module) -> int:
+    """Device memory the engine's execution context holds for activations (0 when unknown)."""
+    engine = getattr(module, "engine", None)
+    for attr in ("device_memory_size_v2", "device_memory_size"):
+        size = getattr(engine, attr, None)
+        if isinstance(size, int):
+            return size
+    return 0

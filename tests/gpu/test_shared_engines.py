@@ -1,0 +1,73 @@
+"""One engine per distinct piece (``share_engines``), on the GPU: a 4-block PRX's blocks 1-3 run one
+engine; outputs match the unshared build and eager; LoRA in place, the artifact and the range set."""
+
+import pytest
+import torch
+
+from prx_compile import compile_prx, load_compiled, load_lora, save_compiled, unload_lora
+from prx_compile.bench import rel_err
+from prx_compile.lora import make_random_lora
+from prx_compile.testing import make_prx
+
+from .conftest import RANGE, SMALL_PRX
+from .test_tensorrt import TOL, eager, inputs
+
+pytestmark = pytest.mark.gpu
+DEEP = {**SMALL_PRX, "depth": 4}
+STATIC = dict(static=True, specialize=[[512, 512, 2]], **RANGE)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_prx(DEEP, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def shared(model):
+    return compile_prx(model, **STATIC).build()
+
+
+def test_the_blocks_run_one_engine_and_match_the_unshared_build(model, shared):
+    kw = inputs(model)
+    out = shared(**kw, return_dict=False)[0].clone()
+    rep = shared.backends[0].report()
+    assert (rep["engines"], rep["engine_calls"], rep["torch_segments"]) == (3, 5, 4), rep
+    unshared = compile_prx(model, share_engines=False, **STATIC)
+    want = unshared(**kw, return_dict=False)[0]
+    assert unshared.backends[0].report()["engines"] == 5
+    assert rel_err(out, want) < 1e-3
+    assert rel_err(out, eager(model, kw)) < TOL
+    assert not out.isnan().any()
+    timings = shared.backends[0].timings
+    assert {"export_s", "lower_s", "compile_s", "engines_build_s"} <= set(timings), timings
+
+
+def test_lora_in_place_reaches_every_block_of_a_shared_engine(model, shared):
+    kw = inputs(model, seed=7)
+    base = shared(**kw, return_dict=False)[0].clone()
+    load_lora(shared, make_random_lora(model, 16, seed=1, std=0.05), "a")
+    out = shared(**kw, return_dict=False)[0].clone()
+    assert rel_err(out, eager(model, kw)) < TOL and rel_err(out, base) > 1e-2
+    unload_lora(shared)
+    assert torch.equal(shared(**kw, return_dict=False)[0], base)
+    assert shared.builds == 1
+
+
+def test_the_artifact_holds_each_engine_once(model, shared, tmp_path):
+    kw = inputs(model, seed=9)
+    want = shared(**kw, return_dict=False)[0].clone()
+    save_compiled(shared, tmp_path / "art")
+    assert len(list((tmp_path / "art" / "sets" / "0").glob("*.engine"))) == 3
+    loaded = load_compiled(tmp_path / "art")
+    assert torch.equal(loaded(**kw, return_dict=False)[0], want)
+    assert loaded.backends[0].report()["engine_calls"] == 5 and loaded.builds == 0
+
+
+def test_a_range_set_shares_its_block_pieces(model):
+    ct = compile_prx(model, **RANGE)
+    for kw in (inputs(model, h=48, w=80), inputs(model, batch=1, text=30, masked=5, seed=4)):
+        out = ct(**kw, return_dict=False)[0]
+        assert rel_err(out, eager(model, kw)) < TOL
+    rng = max(ct.backends, key=lambda b: b.shapes.volume())
+    rep = rng.report()
+    assert rep["engine_calls"] > 2 * rep["engines"], rep

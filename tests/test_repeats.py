@@ -1,0 +1,191 @@
+"""Repeated pieces: the partitions of a PRX step between its attention ops key alike exactly when
+they compute the same thing, and ``SharedEngines`` converts each distinct one once."""
+
+import pytest
+import torch
+from torch.fx.passes.split_module import split_module
+
+from prx_compile.backends.repeats import SharedEngines, structure_key
+from prx_compile.export import export_prx
+from prx_compile.lowering import LoweringSettings, lower
+from prx_compile.ops import LINEAR, PRX_ATTENTION
+from prx_compile.testing import TINY_PRX, make_prx
+
+from .conftest import RANGE, eager, prx_inputs
+
+DEPTH = 4
+
+
+def partitions(settings: LoweringSettings, depth: int = DEPTH, seed: int = 0):
+    """The tiny PRX's lowered step (weights as inputs) cut the way Torch-TensorRT cuts it: each op
+    kept in PyTorch alone, the runs between them one partition each. Returns (model, root, [(name,
+    partition)]) with only the runs (what would become engines), in graph order."""
+    model = make_prx({**TINY_PRX, "depth": depth}, seed=seed)
+    ep, _ = export_prx(model, prx_inputs(model), RANGE, weights="inputs", fuse_attention=True)
+    gm = lower(ep.module(), settings)
+    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(node)  # torch.export's input guards (not in what Torch-TensorRT partitions)
+    kept = {PRX_ATTENTION, LINEAR} if settings.linears_in_torch else {PRX_ATTENTION}
+    part, ids = [0], {}
+    for node in gm.graph.nodes:  # a new partition around every kept op
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target in kept:
+            part[0] += 1
+            ids[node] = part[0]
+            part[0] += 1
+        else:
+            ids[node] = part[0]
+    root = split_module(gm, model, lambda n: ids[n])
+    root.graph._codegen = gm.graph._codegen  # called with the step's kwargs, as the model is
+    root.recompile()
+    runs = []
+    for name, sub in root.named_children():
+        ops = {n.target for n in sub.graph.nodes if n.op == "call_function"}
+        if not ops & kept:
+            runs.append((name, sub))
+    return model, gm, root, runs
+
+
+def keys(runs):
+    return [structure_key(sub, _specs(sub)) for _, sub in runs]
+
+
+def _specs(sub):
+    return [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder" and "val" in n.meta]
+
+
+def test_the_blocks_between_attention_ops_key_alike():
+    model, gm, root, runs = partitions(LoweringSettings(attention="flash"))
+    ks = keys(runs)
+    assert None not in ks
+    # before block 0's attention; after block i's attention up to block i+1's (DEPTH-1 alike); the end
+    assert len(runs) == DEPTH + 1
+    assert len(set(ks[1:DEPTH])) == 1
+    assert len(set(ks)) == 3
+    # the cut graph still computes the step: the split is the one the keys were taken on
+    kw = prx_inputs(model)
+    from prx_compile.export import weight_tensors
+
+    with torch.no_grad():
+        out = root(**kw, weights=list(weight_tensors(model).values()))
+    ref = eager(model, kw)
+    assert (out - ref).abs().max() <= 1e-5
+
+
+def test_a_range_set_with_linears_in_pytorch_has_few_distinct_pieces():
+    _, _, _, runs = partitions(LoweringSettings(attention="flash", linears_in_torch=True))
+    ks = keys(runs)
+    assert len(runs) > 3 * DEPTH  # the pieces between a block's linears
+    per_block = len(set(ks))
+    assert per_block < len(runs) / 2
+    # the same model one block deeper adds runs but no distinct piece
+    _, _, _, deeper = partitions(LoweringSettings(attention="flash", linears_in_torch=True), depth=DEPTH + 1)
+    assert len(deeper) > len(runs)
+    assert len(set(keys(deeper))) == per_block
+
+
+def test_keys_see_ops_shapes_and_constants_not_names():
+    _, _, _, runs = partitions(LoweringSettings(attention="flash"))
+    a, b = runs[1][1], runs[2][1]
+    assert structure_key(a, _specs(a)) == structure_key(b, _specs(b))
+    # another input shape
+    spec = _specs(a)
+    assert structure_key(a, [torch.empty(3, 5)] + spec[1:]) != structure_key(a, spec)
+    # another op: the first mul becomes an add
+    c = runs[2][1]
+    node = next(n for n in c.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.mul.Tensor)
+    node.target = torch.ops.aten.add.Tensor
+    c.recompile()
+    assert structure_key(c, _specs(c)) != structure_key(a, spec)
+    # a constant's value counts; a constant too large to hash makes the piece unique
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (x, g.get_attr("k"))))
+    one, two = torch.nn.Module(), torch.nn.Module()
+    one.register_buffer("k", torch.ones(4))
+    two.register_buffer("k", torch.full((4,), 2.0))
+    gm1, gm2 = torch.fx.GraphModule(one, g), torch.fx.GraphModule(two, g)
+    same = torch.fx.GraphModule(one, g)
+    assert structure_key(gm1) == structure_key(same) != structure_key(gm2)
+    big = torch.nn.Module()
+    big.register_buffer("k", torch.zeros(5 * 2**20))
+    assert structure_key(torch.fx.GraphModule(big, g)) is None
+
+
+def test_shared_engines_converts_each_distinct_piece_once():
+    _, _, _, runs = partitions(LoweringSettings(attention="flash"))
+    calls = []
+
+    def convert(module, inputs, *, settings=None, name="", engine_cache=None):
+        calls.append(name)
+        return torch.nn.Identity()
+
+    sharing = SharedEngines().wrap(convert)
+    got = {name: sharing(sub, _specs(sub), settings=None, name=name, engine_cache=None) for name, sub in runs}
+    assert calls == [runs[0][0], runs[1][0], runs[-1][0]]
+    assert sharing.built == calls
+    assert sharing.shared == {name: runs[1][0] for name, _ in runs[2:DEPTH]}
+    assert all(got[name] is got[runs[1][0]] for name, _ in runs[2:DEPTH])
+    assert got[runs[0][0]] is not got[runs[1][0]]
+    with pytest.raises(RuntimeError, match="wrap"):
+        SharedEngines()(runs[0][1], [], name="x")
+
+
+class StandIn(torch.nn.Module):
+    """Stands in for a built engine module in a partitioned graph (it is not TensorRT): a fixed
+    function with the attributes a saved state reads."""
+
+    def __init__(self, scale: float, blob: bytes):
+        super().__init__()
+        self.scale, self.serialized_engine = scale, blob
+        self.input_names, self.output_names = ["x", "w"], ["y"]
+
+    def forward(self, x, w):
+        return x * w * self.scale
+
+
+def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatch):
+    from prx_compile.backends import trt_shim
+    from prx_compile.backends.tensorrt import TensorRTBackend, program_of
+    from prx_compile.config import CompileConfig
+    from prx_compile.export import ShapeRange
+    from prx_compile.program import Program
+
+    root = torch.nn.Module()
+    root._run_on_acc_0 = StandIn(2.0, b"first")
+    shared = root._run_on_acc_1 = StandIn(3.0, b"block")
+    root._run_on_acc_2 = shared  # what SharedEngines hands Torch-TensorRT for a repeated block
+    g = torch.fx.Graph()
+    x = g.placeholder("hidden_states")
+    ws = [g.placeholder(f"weights_{i}") for i in range(3)]
+    h = g.call_module("_run_on_acc_0", (x, ws[0]))
+    h = g.call_function(torch.ops.aten.add.Tensor, (h, h))
+    h = g.call_module("_run_on_acc_1", (h, ws[1]))
+    g.output(g.call_module("_run_on_acc_2", (h, ws[2])))
+    gm = torch.fx.GraphModule(root, g)
+    params = {n: torch.rand(4) + 0.5 for n in ("a", "b", "c")}
+    hs = torch.rand(4)
+    want = gm(hs, *params.values())
+
+    program, engines, constants = program_of(gm, (StandIn,), list(params), params)
+    assert list(engines) == ["_run_on_acc_0", "_run_on_acc_1"]
+    assert [st.engine for st in program.steps if st.op == "engine"] == [
+        "_run_on_acc_0",
+        "_run_on_acc_1",
+        "_run_on_acc_1",
+    ]
+    torch.testing.assert_close(program.run({"hidden_states": hs}, params, engines, constants), want)
+
+    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    model = torch.nn.Module()
+    backend = TensorRTBackend(model, CompileConfig(), ShapeRange.static(1, 8, 8, 4))
+    backend.program, backend.engines, backend.constants = program, engines, constants
+    state = backend.state()
+    assert sorted(state.blobs) == ["_run_on_acc_0.engine", "_run_on_acc_1.engine"]
+    assert state.blobs["_run_on_acc_1.engine"] == b"block"
+    assert sorted(state.meta["engines"]) == ["_run_on_acc_0", "_run_on_acc_1"]
+    again = Program.from_json(
+        state.meta["program"], engines=set(engines), params=set(params), constants=set()
+    )
+    torch.testing.assert_close(again.run({"hidden_states": hs}, params, engines, constants), want)
