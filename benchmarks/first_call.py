@@ -94,6 +94,7 @@ def main() -> None:
         log(f"eager {c.label()}: {ms:.2f} ms")
     torch.cuda.synchronize()
     res["mem_gb_eager"] = mem_gb()
+    res["torch_reserved_gb_eager"] = torch.cuda.memory_reserved() / 1e9
     save()
 
     def run_part(name, fn):
@@ -122,6 +123,7 @@ def main() -> None:
                     weights="inputs",
                     first_call_s=s,
                     mem_gb=mem_gb(),
+                    torch_reserved_gb=torch.cuda.memory_reserved() / 1e9,
                     rel_err=rel_err(out, refs[c.label()]),
                 )
                 log(f"compile_prx first call {c.label()}: {s:.1f} s, {rec['mem_gb']:.2f} GB in use")
@@ -168,6 +170,7 @@ def main() -> None:
                 ms_per_step=ms,
                 mem_gb=mem_gb(),
                 mem_added_gb=mem_gb() - before,
+                torch_reserved_gb=torch.cuda.memory_reserved() / 1e9,
                 rel_err=rel_err(out, refs[c.label()]),
                 engines=rep["engines"],
                 engine_calls=rep["engine_calls"],

@@ -461,6 +461,7 @@ def lora_and_artifact(
         unload_lora(ct)  # the same artifact without an adapter: the weights and the engines
         save_compiled(ct, tmp / "plain")
         plain = sum(p.stat().st_size for p in (tmp / "plain").rglob("*") if p.is_file())
+        engine_files = [p for p in (tmp / "plain").rglob("*.engine") if p.is_file()]
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         torch.save({k: v.cpu() for k, v in kw.items()}, tmp / "kw.pt")
         torch.save(expected.cpu(), tmp / "expected.pt")
@@ -500,6 +501,8 @@ print(json.dumps({{"import_s": t_import, "load_s": load_s, "load_to_first_step_s
                 "weights": "inputs",
                 "size_gb": size / 1e9,
                 "size_gb_without_lora": plain / 1e9,
+                "engine_files": len(engine_files),
+                "engine_mb": sum(p.stat().st_size for p in engine_files) / 2**20,
                 "weights_gb": weights / 1e9,
                 "save_s": save_s,
                 "engine_sets": len(ct.backends),

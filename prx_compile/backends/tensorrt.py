@@ -11,13 +11,15 @@ Weights, by ``config.weights``:
 * ``"inputs"`` (default): the parameters are engine inputs. The engines read the transformer's own
   tensors at every call, so one copy of the weights exists, a LoRA is an in-place update, CUDA graphs
   stay valid and nothing is refit. Engines are small, and their cache key leaves the weights out.
+  Partitions that compute the same thing (the blocks) share one engine (``share_engines``,
+  ``repeats.SharedEngines``): built once, one execution context, called once per block.
 * ``"engine"``: weights are baked into each engine (TensorRT may fold and re-layout them). After a
   LoRA, only the engine weights derived from changed parameters are refit (``trt.Refitter``); which
   engine weight comes from which parameter is recorded at build time by a post-lowering pass that
   matches every graph constant to a parameter by value (constant folding turns ``W`` into ``W.T``).
 
-Torch-TensorRT hooks (``lowering.ENGINE_RULES`` and that provenance pass) are registered only while
-``build`` runs. Settings correctness depends on are required (``trt_shim.compile_settings``).
+Torch-TensorRT hooks (``lowering.ENGINE_RULES``, that provenance pass, and ``trt_shim.building``: the
+per-partition converter and cheap example tensors) are active only while ``build`` runs. Settings correctness depends on are required (``trt_shim.compile_settings``).
 """
 
 from __future__ import annotations
@@ -116,22 +118,26 @@ class TensorRTBackend(Backend):
             )
         with progress.stage("lower (prx_compile rules)", times, "lower_s"):
             lower(ep.graph_module, cfg.lowering(self.shapes))
-        kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
-        if names is not None:  # shapes only: Input.from_tensor would copy every weight
-            params = weight_tensors(self.model)
-            kwarg_inputs["weights"] = [
-                ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
-            ]
         settings = self.settings()
         # weights as inputs: identical partitions (the blocks) are one engine, built once
         sharing = SharedEngines() if cfg.weights == "inputs" and cfg.share_engines else None
-        converting = trt_shim.converting_with(sharing.wrap) if sharing else contextlib.nullcontext()
+
+        def converter(convert):  # each engine built with one execution context, shared where it can be
+            convert = trt_shim.one_context(convert)
+            return sharing.wrap(convert) if sharing is not None else convert
+
         with (
             progress.stage("build TensorRT engines", times, "compile_s"),
             self._build_hooks(),
-            converting,
+            trt_shim.building(converter),
             torch.no_grad(),
         ):
+            kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
+            if names is not None:  # shapes only (Input.from_tensor would hold every weight)
+                params = weight_tensors(self.model)
+                kwarg_inputs["weights"] = [
+                    ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
+                ]
             gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
         self.program, self.engines, self.constants = program_of(
             gm, trt_shim.engine_classes(), names, weight_tensors(self.model)
@@ -139,7 +145,8 @@ class TensorRTBackend(Backend):
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
         for module in self.engines.values():
-            trt_shim.use_runtime_cache(module, None)
+            if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
+                trt_shim.use_runtime_cache(module, None)  # a context with a runtime cache to save
         self._bind()
         torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0

@@ -336,21 +336,38 @@ def _setup_engine(module: torch.nn.Module, runtime_cache: bytes | None) -> None:
 
 
 @contextlib.contextmanager
-def converting_with(wrap: Any) -> Iterator[None]:
-    """Within the block, ``torch_tensorrt.dynamo.compile`` converts each partition with
-    ``wrap(convert_module)`` (e.g. ``repeats.SharedEngines().wrap``) instead of its own
-    ``convert_module``: 2.11's ``compile_module`` calls the name it imported, once per partition,
-    then sets the returned module as that partition's child. One build at a time (a lock)."""
+def building(wrap: Any) -> Iterator[None]:
+    """Within the block (one ``torch_tensorrt.dynamo.compile``; one build at a time, a lock):
+
+    * each partition is converted by ``wrap(convert_module)`` (e.g. ``repeats.SharedEngines().wrap``)
+      instead of Torch-TensorRT's own ``convert_module``: 2.11's ``compile_module`` calls the name it
+      imported, once per partition, and sets what it returns as that partition's child;
+    * a ``torch_tensorrt.Input`` made without a tensor gets zeros broadcast from one element as its
+      example instead of ``torch.rand`` of its whole shape on the CPU. Torch-TensorRT makes one per
+      input of every partition (with weights as inputs: every weight, again for each partition):
+      14.3 s of a 1.17 B-parameter build on the H200 (``profile_build_h200.txt``). The examples give
+      shapes and dtypes; the one place 2.11 runs a partition on them (``repair_double_inputs``, for
+      float64 inputs) reads its output's dtype only."""
     torch_tensorrt()
+    from torch_tensorrt._Input import Input
     from torch_tensorrt.dynamo import _compiler
 
     with _CONVERT_LOCK:
-        original = _compiler.convert_module
+        original, example = _compiler.convert_module, Input.example_tensor
         _compiler.convert_module = wrap(original)
+        Input.example_tensor = _zeros_example
         try:
             yield
         finally:
-            _compiler.convert_module = original
+            _compiler.convert_module, Input.example_tensor = original, example
+
+
+def _zeros_example(self: Any, optimization_profile_field: str | None = None) -> torch.Tensor:
+    """``Input.example_tensor`` of 2.11 (the shape it picks), as zeros broadcast from one element."""
+    shape = self.shape
+    if isinstance(shape, dict):
+        shape = shape[optimization_profile_field or "opt_shape"]
+    return torch.zeros((), dtype=self.dtype.to(torch.dtype, use_default=True)).expand(tuple(shape))
 
 
 _CONVERT_LOCK = threading.Lock()
@@ -364,3 +381,24 @@ def context_memory_bytes(module: torch.nn.Module) -> int:
         if isinstance(size, int):
             return size
     return 0
+
+
+def one_context(convert: Any) -> Any:
+    """``convert`` (Torch-TensorRT's ``convert_module``) whose engine module gets one execution
+    context, made with an empty TensorRT-RTX runtime cache (``use_runtime_cache``). Left alone,
+    Torch-TensorRT makes a default context first, and on TensorRT-RTX each context creation compiles
+    the engine's kernels. Where Torch-TensorRT has no ``lazy_engine_init``, ``convert`` as it is."""
+    from torch_tensorrt.dynamo import CompilationSettings
+
+    if "lazy_engine_init" not in {f.name for f in dataclasses.fields(CompilationSettings)}:
+        return convert
+
+    def run(module: Any, inputs: Any, *args: Any, settings: Any, **kwargs: Any) -> Any:
+        lazy = dataclasses.replace(settings, lazy_engine_init=True)  # Torch-TensorRT's stays as it is
+        engine = convert(module, inputs, *args, settings=lazy, **kwargs)
+        _setup_engine(engine, None)
+        if engine.engine is None:
+            raise RuntimeError(f"TensorRT could not deserialise the engine it built for {kwargs.get('name')}")
+        return engine
+
+    return run

@@ -70,4 +70,5 @@ def test_a_range_set_shares_its_block_pieces(model):
         assert rel_err(out, eager(model, kw)) < TOL
     rng = max(ct.backends, key=lambda b: b.shapes.volume())
     rep = rng.report()
-    assert rep["engine_calls"] > 2 * rep["engines"], rep
+    # each middle block reuses at least two of the first block's pieces (PRX: 9 distinct at any depth)
+    assert rep["engine_calls"] - rep["engines"] >= 2 * (DEEP["depth"] - 2), rep
