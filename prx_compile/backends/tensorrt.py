@@ -19,7 +19,8 @@ Weights, by ``config.weights``:
   matches every graph constant to a parameter by value (constant folding turns ``W`` into ``W.T``).
 
 Torch-TensorRT hooks (``lowering.ENGINE_RULES``, that provenance pass, and ``trt_shim.building``: the
-per-partition converter and cheap example tensors) are active only while ``build`` runs. Settings correctness depends on are required (``trt_shim.compile_settings``).
+per-partition converter and cheap example tensors) are active only while ``build`` runs. Settings
+correctness depends on are required (``trt_shim.compile_settings``).
 """
 
 from __future__ import annotations
