@@ -79,3 +79,20 @@ def test_range_sets_leave_their_linears_to_pytorch(monkeypatch, shapes, override
     assert PRX_ATTENTION in got["torch_executed_ops"]
     assert (LINEAR in got["torch_executed_ops"]) is in_torch
     assert (got.get("min_block_size") == 1) is in_torch
+
+
+def test_build_example_tensors_are_broadcast_zeros_of_the_shape_torch_tensorrt_picks():
+    class TrtDtype:  # torch_tensorrt.dtype's conversion, as Input.example_tensor calls it
+        def to(self, kind, use_default=False):
+            assert kind is torch.dtype and use_default
+            return torch.bfloat16
+
+    static = type("Input", (), {"shape": (3, 4096, 1792), "dtype": TrtDtype()})()
+    t = trt_shim._zeros_example(static)
+    assert t.shape == (3, 4096, 1792) and t.dtype == torch.bfloat16
+    assert t.stride() == (0, 0, 0) and t.untyped_storage().nbytes() == 2  # one element, not 44 MB
+    assert not t.any()
+    shapes = {"min_shape": (1, 8), "opt_shape": (2, 8), "max_shape": (4, 8)}
+    dynamic = type("Input", (), {"shape": shapes, "dtype": TrtDtype()})()
+    assert trt_shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
+    assert trt_shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)
