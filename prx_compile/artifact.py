@@ -356,9 +356,10 @@ def open_artifact(path: str | os.PathLike, *, kind: str, verify: bool = True) ->
     ``verify``, every listed file checked against its size and sha256."""
     root = Path(path)
     if not root.is_dir():
+        what = "a file, not a directory" if os.path.lexists(root) else "no such directory"
         raise ArtifactError(
-            f"{root} is not a prx_compile artifact: no such directory.",
-            "save one with prx_compile.save_compiled or `prx-compile build`.",
+            f"{root} is not a prx_compile artifact: {what}.",
+            "an artifact is the directory prx_compile.save_compiled or `prx-compile build` writes.",
         )
     manifest = parse_manifest(_read_manifest_bytes(root), str(root / MANIFEST), kind)
     reader = Reader(root, manifest)

@@ -237,6 +237,24 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def _check_outputs(out_dir: Path, summary: str | None) -> None:
+    """CLIError unless the PNG folder and the summary file can be written (checked before any work)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CLIError(f"--out-dir {out_dir} exists and is not a directory.", "choose another --out-dir.")
+    if summary is not None:
+        path = Path(summary)
+        if path.is_dir():
+            raise CLIError(f"--summary {path} is a directory.", "name a file, e.g. --summary run.json.")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise CLIError(f"--summary {path}: {parent} is not a directory.", "choose another --summary.")
+
+
+def _binning(args) -> bool:
+    """Resolution binning (PRXPipeline's default) for a real checkpoint, unless --no-binning."""
+    return bool(args.checkpoint) and args.binning
+
+
 def _warm_up(pipe, height: int, width: int, guidance: float, binning: bool) -> None:
     """Build (or load from the engine cache) the engine set these images run on and, on a GPU, run it
     once (CUDA graph capture, first-call kernel set-up), so that generation starts warm."""
@@ -248,7 +266,16 @@ def _warm_up(pipe, height: int, width: int, guidance: float, binning: bool) -> N
         from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
 
         bins = ASPECT_RATIO_BINS[pipe.default_sample_size]
-        height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins)
+        binned = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins)
+        if binned != (height, width):  # never a silent jump to another size (and engine set)
+            print(
+                f"prx-compile: resolution binning makes {height}x{width} images at {binned[0]}x{binned[1]}, "
+                f"the nearest of PRXPipeline's {pipe.default_sample_size}-px aspect bins; "
+                f"--no-binning keeps {height}x{width}.",
+                file=sys.stderr,
+                flush=True,
+            )
+        height, width = binned
     ct, f = pipe.transformer, pipe.vae_scale_factor
     batch = 2 if guidance > 1 else 1
     kw = example_inputs(
@@ -299,7 +326,7 @@ def _pipeline_factory(args):
         if not args.no_compile:
             size = default_size(pipe)
             height, width = args.height or size[0], args.width or size[1]
-            _warm_up(pipe, height, width, args.guidance, binning=bool(args.checkpoint))
+            _warm_up(pipe, height, width, args.guidance, binning=_binning(args))
         return pipe
 
     return factory
@@ -320,6 +347,7 @@ def cmd_generate(args) -> int:
         raise CLIError(f"{args.checkpoint} is not a diffusers PRX folder: model_index.json is missing.")
     if args.artifact and not Path(args.artifact).is_dir():
         raise CLIError(f"--artifact {args.artifact}: no such directory.")
+    _check_outputs(Path(args.out_dir), args.summary)  # before minutes of loading and building
     worker = bool(os.environ.get(RUN_ENV))  # one of the processes --num-processes started
     under_accelerate = int(os.environ.get("WORLD_SIZE") or 1) > 1 and not worker
     if n is not None and n > 1 and under_accelerate:
@@ -363,7 +391,7 @@ def cmd_generate(args) -> int:
             seed=args.seed,
             resume=args.resume,
             summary_path=args.summary,
-            pipeline_kwargs={"use_resolution_binning": bool(args.checkpoint)},
+            pipeline_kwargs={"use_resolution_binning": _binning(args)},
         )
         import torch.distributed as dist
 
@@ -629,6 +657,14 @@ def parser() -> argparse.ArgumentParser:
         help="keep the PNGs that exist (each is written atomically) and make only the others",
     )
     g.add_argument("--summary", metavar="FILE", help="the run's summary JSON (default: OUT_DIR/summary.json)")
+    g.add_argument(
+        "--binning",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --checkpoint, PRXPipeline's resolution binning: a size is made at the nearest aspect "
+        "bin of the pipeline's sample size (a notice names it when it differs); --no-binning keeps "
+        "--height/--width as given",
+    )
     g.set_defaults(func=cmd_generate)
 
     be = sub.add_parser(

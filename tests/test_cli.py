@@ -147,7 +147,7 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
     code = "import sys; from prx_compile.testing import tiny_pipeline as t; t().save_pretrained(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "prx")], check=True, capture_output=True)
     args = ["generate", "--checkpoint", str(tmp_path / "prx"), "--prompt", "a cat", "--steps", "1"]
-    args += ["--out-dir", str(tmp_path / "o"), "--config", str(tmp_path / "c.yaml")]
+    args += ["--out-dir", str(tmp_path / "o"), "--config", str(tmp_path / "c.yaml"), "--no-binning"]
     r = run(*args, "--height", "32", "--width", "32")
     one_line_error(r, "c.yaml does not exist")
     (tmp_path / "c.yaml").write_text(
@@ -156,6 +156,43 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
     r = run(*args)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o" / "000-a-cat.png").is_file()
+    assert "resolution binning" not in r.stderr  # --no-binning: 32x32 as asked, no 512² engine set
+
+
+def test_binning_that_changes_the_size_says_so(capsys):
+    """Binning maps the tiny saved pipeline's 32x32 to a 512-px bin: one line names the size used
+    (the build itself is left out here: the eager step at 512² on a 1x VAE takes minutes)."""
+    from prx_compile.cli import _warm_up
+    from prx_compile.testing import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    built = []
+
+    class Transformer:  # records the shapes the engine set is built for
+        config, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+
+        def build(self, kw):
+            built.append(tuple(kw["hidden_states"].shape))
+
+    pipe.transformer = Transformer()
+    _warm_up(pipe, 32, 32, 4.0, binning=True)
+    err = capsys.readouterr().err
+    assert "makes 32x32 images at 512x512" in err and "--no-binning keeps 32x32" in err
+    assert built == [(2, pipe.transformer.config.in_channels, 512, 512)]
+    _warm_up(pipe, 32, 32, 4.0, binning=False)
+    assert capsys.readouterr().err == "" and built[-1][2:] == (32, 32)
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["generate", "--tiny", "--prompt", "a cat", "--steps", "1"]
+    one_line_error(run(*base, "--out-dir", str(afile)), "exists and is not a directory")
+    r = run(*base, "--out-dir", str(tmp_path / "o"), "--summary", str(afile / "s.json"))
+    one_line_error(r, "is not a directory")
+    assert not (tmp_path / "o").exists()  # refused before a single image
+    one_line_error(run(*base, "--out-dir", str(tmp_path / "o"), "--summary", str(tmp_path)), "is a directory")
+    one_line_error(run("inspect", str(afile)), "is not a prx_compile artifact: a file, not a directory")
 
 
 @pytest.mark.parametrize(
