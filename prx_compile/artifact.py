@@ -6,7 +6,7 @@ backend does with them. ``saving.py`` stores compiled transformers in it, ``cach
 Writing: every file goes into a fresh private sibling directory (``tempfile.mkdtemp``, created
 exclusively), then the directory is swapped in. An artifact already at the path stays complete and
 loadable until the new one is; a save that fails removes its directory, and leftovers of a killed
-save are removed by the next save to that path (under a lock file opened without following links).
+save are removed by the next save to that path (under a ``flock`` of the folder it is saved in).
 
 Reading: only files the manifest lists are read, each by a name of ``[A-Za-z0-9_.-]`` parts opened
 relative to the artifact directory with ``O_NOFOLLOW`` (no symbolic link, no ``..``, no absolute
@@ -26,10 +26,11 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,13 @@ def check_name(rel: Any) -> list[str]:
 # -- locking -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created 0600, never through a symbolic link)."""
+    """An exclusive ``flock`` on ``path``: a directory (nothing is created), or a lock file (created
+    0600, never through a symbolic link)."""
+    flags = (
+        os.O_RDONLY | os.O_DIRECTORY if path.is_dir() and not path.is_symlink() else os.O_RDWR | os.O_CREAT
+    )
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise ArtifactError(
             f"cannot open the lock file {path} ({e.strerror}).", "remove it if it is a link."
@@ -76,6 +81,42 @@ def locked(path: Path) -> Iterator[None]:
 
 
 # -- writing -----------------------------------------------------------------------------------
+def umask() -> int:
+    """The process's umask (read without changing it where Linux says it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the usual set-and-restore
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` atomically: ``write(f)`` fills a new file beside it (created as ``open()`` would,
+    the umask applied; never through a link), which then replaces ``path``. A PNG or JSON file that
+    exists is complete."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise ArtifactError(f"cannot create a temporary file beside {path}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class Writer:
     """Writes the files of one artifact into a private directory; ``finish`` adds the manifest."""
 
@@ -108,6 +149,7 @@ class Writer:
         path = self._path(rel)  # inside our fresh private directory: nothing else can be there
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         save_file(tensors, str(path), metadata=metadata)
+        os.chmod(path, 0o666 & ~umask())  # safetensors creates its files 0600
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         self.files[rel] = _entry(path)
@@ -162,10 +204,11 @@ def writing(path: str | os.PathLike, kind: str) -> Iterator[Writer]:
     path = Path(path)
     parent = path.parent
     parent.mkdir(parents=True, exist_ok=True)
-    with locked(parent / f".{path.name}.lock"):
+    with locked(parent):  # saves into one folder take turns; no lock file is left beside the artifact
         _recover(path)
         _check_replaceable(path, kind)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
+        os.chmod(tmp, 0o777 & ~umask())  # the artifact directory as mkdir would make it, not 0700
         try:
             yield Writer(tmp)
             if not (tmp / MANIFEST).is_file():

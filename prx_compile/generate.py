@@ -48,7 +48,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 
 from . import progress
+from .artifact import write_atomic
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -118,26 +118,11 @@ def default_size(pipe: Any) -> tuple[int, int] | None:
 # -- files -----------------------------------------------------------------------------------------
 def write_png(image: Any, path: Path) -> None:
     """Write the PIL image to ``path`` atomically (a temporary file in the same folder, then rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            image.save(f, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: image.save(f, format="PNG"))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

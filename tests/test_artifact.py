@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -395,14 +396,25 @@ def test_save_never_overwrites_what_is_not_an_artifact(tmp_path, saved, kind):
         assert (target / "notes.txt").read_text() == "precious"
 
 
-def test_a_symlinked_lock_file_is_refused(tmp_path, saved):
+def test_a_save_leaves_no_lock_file_and_follows_no_planted_one(tmp_path, saved):
     ct = load_compiled(saved[0])
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
-    (tmp_path / ".art.lock").symlink_to(victim)
-    with pytest.raises(ArtifactError, match="lock file"):
-        save_compiled(ct, tmp_path / "art")
+    (tmp_path / ".art.lock").symlink_to(victim)  # where 0.5 kept its lock file
+    save_compiled(ct, tmp_path / "art")
     assert victim.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.lock", "art", "victim.txt"]
+
+
+def test_saved_files_take_the_umask_as_open_would(tmp_path, saved):
+    ct = load_compiled(saved[0])
+    old = os.umask(0o027)
+    try:
+        save_compiled(ct, tmp_path / "art")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "art").stat().st_mode) == 0o750
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "art").rglob("*") if p.is_file()} == {0o640}
 
 
 def test_files_are_hashed_per_chunk(artifact):

@@ -1,0 +1,24 @@
+"""PNGs and summaries are written as open() would write them: the process's umask, no 0600."""
+
+import json
+import os
+import stat
+
+from PIL import Image
+
+from prx_compile.generate import _write_json, write_png
+
+
+def test_pngs_and_summaries_take_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_png(Image.new("RGB", (4, 4), "red"), tmp_path / "000-a.png")
+        _write_json(tmp_path / "summary.json", {"images": 1})
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {
+        "000-a.png": 0o640,
+        "summary.json": 0o640,
+    }  # and no temporary file left
+    assert Image.open(tmp_path / "000-a.png").getpixel((0, 0)) == (255, 0, 0)
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"images": 1}
