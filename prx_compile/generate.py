@@ -440,12 +440,17 @@ class _JobBar:
         self.done = done
 
     def close(self) -> None:
+        """The last line: "done", or "stopped" when an exception (Ctrl-C) is on its way out."""
+        stopped = sys.exc_info()[0] is not None
         if self.bar is not None:
+            if stopped:
+                self.bar.set_postfix_str("stopped", refresh=True)
             self.bar.close()
         elif self.enabled:
+            end = "stopped after" if stopped else "done in"
             print(
                 f"prx-compile: generate: {self.done}/{self.total} images, "
-                f"done in {time.perf_counter() - self.t0:.1f} s",
+                f"{end} {time.perf_counter() - self.t0:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -264,7 +264,13 @@ class CompiledTransformer(torch.nn.Module):
             sets = "; ".join(be.shapes.describe() for be in self.backends)
             shape = f"batch {b}, latent {h}x{w}, text {t} tokens"
             problems = self.shapes.problems(b, h, w, t)
-            if self.compile_config.on_shape_miss == "error" or any("multiple" in p for p in problems):
+            if any("multiple" in p for p in problems):  # no engine set can take it
+                px = self.config.patch_size * self.compile_config.vae_scale_factor
+                raise ShapeOutOfRangeError(
+                    f"{shape} is outside every engine set ({'; '.join(problems)}). Built for: {sets}.",
+                    f"use image sizes that are multiples of {px} pixels (e.g. {px * 32}).",
+                )
+            if self.compile_config.on_shape_miss == "error":
                 raise ShapeOutOfRangeError(
                     f"{shape} is outside every engine set ({'; '.join(problems)}). Built for: {sets}.",
                     "widen batch/aspect_bins/text_len or add the shape to specialize in the config, "
