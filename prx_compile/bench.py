@@ -14,6 +14,7 @@ import copy
 import gc
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -136,6 +137,7 @@ def environment() -> dict[str, Any]:
         "diffusers": diffusers.__version__,
         "python": platform.python_version(),
         "gpu": None,
+        "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
@@ -349,34 +351,50 @@ def fmt(v: Any, digits: int = 2) -> str:
     return str(v)
 
 
+def _env(result: dict[str, Any]) -> dict[str, Any]:
+    """The results file's environment (``env``; ``environment`` in ``benchmarks/first_call.py``'s)."""
+    return result.get("env") or result.get("environment") or {}
+
+
 def table(result: dict[str, Any]) -> str:
-    """A plain-text table of the records, with speedups against eager and torch.compile of the same case."""
+    """A plain-text table of the records, with speedups against eager and torch.compile of the same case.
+    Records of other benchmark files may lack ``build_s``, ``engines``, ... (shown as "-")."""
     recs = result["records"]
     base = {}
     for r in recs:
         key = (tuple(r["resolution"]), r["batch"], r["mask"])
-        if r["path"] in ("eager", "torch.compile") and r["ms_per_step"]:
+        if r["path"] in ("eager", "torch.compile") and r.get("ms_per_step"):
             base[(key, r["path"])] = r["ms_per_step"]
     head = (
         f"{'path':38s} {'case':26s} {'ms/step':>8s} {'x eager':>8s} {'x t.c':>6s} {'build s':>8s} "
         f"{'rel err':>8s} {'eng':>4s} {'seg':>4s}"
     )
     lines = [head, "-" * len(head)]
+    env = _env(result)
+    if not env.get("gpu"):
+        where = env.get("cpu") or "no GPU"
+        lines.insert(0, f"CPU timings ({where}): they show the harness, not a GPU's speed.")
     for r in recs:
         key = (tuple(r["resolution"]), r["batch"], r["mask"])
-        ms = r["ms_per_step"]
+        ms = r.get("ms_per_step")
         sp = [
             f"{base[(key, p)] / ms:.2f}" if ms and (key, p) in base else "-"
             for p in ("eager", "torch.compile")
         ]
         case = f"{r['resolution'][0]}x{r['resolution'][1]} b{r['batch']} {r['mask']}"
-        err = r["extra"].get("error")
+        err = (r.get("extra") or {}).get("error")
+        label = _label(r)
         lines.append(
-            f"{r['path'][:38]:38s} {case:26s} {fmt(ms):>8s} {sp[0]:>8s} {sp[1]:>6s} "
-            f"{fmt(r['build_s'], 1):>8s} {fmt(r['rel_err'], 4):>8s} {fmt(r['engines']):>4s} "
-            f"{fmt(r['torch_segments']):>4s}" + (f"  ERROR: {err}" if err else "")
+            f"{label[:38]:38s} {case:26s} {fmt(ms):>8s} {sp[0]:>8s} {sp[1]:>6s} "
+            f"{fmt(r.get('build_s'), 1):>8s} {fmt(r.get('rel_err'), 4):>8s} {fmt(r.get('engines')):>4s} "
+            f"{fmt(r.get('torch_segments')):>4s}" + (f"  ERROR: {err}" if err else "")
         )
     return "\n".join(lines)
+
+
+def _label(r: dict[str, Any]) -> str:
+    """A record's path, with its precision where that is fp8 (the same path can run both)."""
+    return r["path"] + (" (fp8)" if r.get("dtype") == "fp8" else "")
 
 
 def _case_name(r: dict[str, Any]) -> str:
@@ -394,26 +412,33 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     except ImportError:
         logger.warning("matplotlib is not installed: no chart written (pip install 'prx_compile[plot]')")
         return
-    recs = [r for r in result["records"] if r["ms_per_step"]]
+    import textwrap
+
+    recs = [r for r in result["records"] if r.get("ms_per_step")]
     cases = list(dict.fromkeys(_case_name(r) for r in recs))
-    paths = list(dict.fromkeys(r["path"] for r in recs))
+    paths = list(dict.fromkeys(_label(r) for r in recs))
     width = 0.8 / max(1, len(paths))
-    fig, ax = plt.subplots(figsize=(min(24, 3 + 0.45 * len(recs)), 4.2), dpi=100)
+    fig_w = min(24, max(7, 2 + 0.45 * len(recs)))
+    fig, ax = plt.subplots(figsize=(fig_w, 4.8), dpi=100)
     for j, p in enumerate(paths):
-        mine = [(cases.index(_case_name(r)), r) for r in recs if r["path"] == p]
+        mine = [(cases.index(_case_name(r)), r) for r in recs if _label(r) == p]
         bars = ax.bar([i + j * width for i, _ in mine], [r["ms_per_step"] for _, r in mine], width, label=p)
-        labels = ["NaN" if r["rel_err"] != r["rel_err"] else f"{r['ms_per_step']:.1f}" for _, r in mine]
+        labels = [
+            "NaN" if r.get("rel_err") != r.get("rel_err") else f"{r['ms_per_step']:.1f}" for _, r in mine
+        ]
         ax.bar_label(bars, labels=labels, fontsize=7)
     ax.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(cases))], cases, fontsize=8)
     ax.set_ylabel("ms per transformer step (lower is better)")
-    env = result["env"]
-    ax.set_title(
-        f"PRX on {env.get('gpu') or 'CPU'}, torch {env.get('torch')}, "
-        f"Torch-TensorRT {env.get('torch_tensorrt')} "
-        f"({env.get('tensorrt_package', 'no TensorRT')} {env.get('tensorrt', '')})",
-        fontsize=8,
+    env = _env(result)
+    where = env.get("gpu") or "a CPU (timings of the harness, not of a GPU)"
+    title = (
+        f"PRX on {where}, torch {env.get('torch')}, Torch-TensorRT {env.get('torch_tensorrt')} "
+        f"({env.get('tensorrt_package', 'no TensorRT')} {env.get('tensorrt', '')})"
     )
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    ax.set_title(textwrap.fill(title, width=int(fig_w * 14)), fontsize=8)  # fits the figure's width
+    # the legend under the axes, so it covers no bar
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=min(4, len(paths)), fontsize=7)
+    rows = -(-len(paths) // 4)
+    fig.tight_layout(rect=(0, 0.03 + 0.04 * rows, 1, 1))
     fig.savefig(path)
     plt.close(fig)

@@ -8,6 +8,7 @@ A config is built from keyword arguments, a dict, a YAML file or a preset name f
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -236,9 +237,14 @@ class CompileConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
         names = [f.name for f in fields(cls)]
-        unknown = sorted(str(k) for k in set(data) - set(names))
+        unknown = sorted(str(k)[:80] for k in set(data) - set(names))
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {unknown}.", f"valid keys: {names}.")
+            guesses = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {g[0]!r}?" for k, g in guesses.items() if g)
+            raise ConfigError(
+                f"{source}: unknown key(s) {unknown[:10]}." + (f" {hint}" if hint else ""),
+                f"valid keys: {names}.",
+            )
         return cls(**data)
 
     @classmethod
@@ -247,13 +253,18 @@ class CompileConfig:
 
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except (FileNotFoundError, IsADirectoryError) as e:
             raise ConfigError(f"config file {path} does not exist.") from e
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
         except (yaml.YAMLError, RecursionError) as e:
             raise ConfigError(f"{path} is not valid YAML: {str(e)[:200]}") from e
+        if data is None:  # an empty file is a mistake more often than "all defaults" (1024 px, minutes)
+            raise ConfigError(
+                f"config file {path} is empty: it sets no key.",
+                "set the keys you want (see help(CompileConfig)), or leave the config out for the defaults.",
+            )
         return cls.from_dict(data, source=str(path))
 
     @classmethod

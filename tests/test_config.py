@@ -153,3 +153,17 @@ def test_range_linears_keys_the_engine_cache_of_range_sets_only(monkeypatch):
     assert key(rng) != key(rng, range_linears="tensorrt")
     assert key(static) == key(static, range_linears="tensorrt")  # static sets: GEMMs in TensorRT either way
     assert key(rng, weights="engine") == key(rng, weights="engine", range_linears="tensorrt")
+
+
+def test_a_key_typo_gets_a_suggestion_and_an_empty_yaml_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"unknown key\(s\) \['resolutoin'\]\. 'resolutoin': did you mean 'resolution'\?"
+    ):
+        CompileConfig.from_dict({"resolutoin": 512})
+    with pytest.raises(ConfigError) as e:
+        CompileConfig.from_dict({"zzzz": 1})
+    assert "did you mean" not in str(e.value) and "valid keys" in str(e.value)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty: it sets no key"):
+        CompileConfig.resolve(str(empty))
