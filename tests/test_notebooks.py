@@ -22,3 +22,7 @@ def test_notebook_runs(path):
     NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
+    streams = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    assert "IProgress not found" not in streams  # progress bars render (ipywidgets in the dev extras)
