@@ -5,11 +5,11 @@ keys, RoPE, a concatenation of text and image keys, attention, the output projec
 TensorRT-RTX, everything between the projections becomes several fused elementwise kernels that run
 far below memory bandwidth (about 8 ms of a 40 ms step on the H200,
 ``benchmarks/results/probe_profile_static_generic_h200.json``). ``FusedPRXAttnProcessor`` keeps the
-projections (TensorRT GEMMs, LoRA-refittable) and hands the rest to ``prx_attention``: one Triton
-pass per operand, then the joint cuDNN attention.
+projections (GEMMs in TensorRT or cuBLAS, reading the live weights) and hands the rest to
+``prx_attention``: one Triton pass per operand, then the joint cuDNN attention.
 
 The swap is temporary: ``fused_attention_processors(model)`` installs the fused processor for an
-export (or an MTTM compile / refit) and restores the original processors afterwards, so the
+export and restores the original processors afterwards, so the
 user's model keeps running diffusers' code.
 """
 

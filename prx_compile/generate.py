@@ -1,6 +1,7 @@
 """Prompts to PNG files in one or many processes (one per GPU, on one machine or several), with accelerate.
 
-    from prx_compile import generate_images
+    from prx_compile import compile_prx, generate_images
+    from prx_compile.pipeline import load_pipeline
 
     def make_pipe(device):                       # called once per process, with its device
         pipe = load_pipeline("path/to/prx", torch_dtype=torch.bfloat16).to(device)

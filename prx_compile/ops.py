@@ -5,7 +5,7 @@
   merged exactly by log-sum-exp.
 * ``torch.ops.prx_compile.flash_attention`` — attention under any (B, Lk) key mask.
 * ``torch.ops.prx_compile.prx_attention`` — PRX's whole attention core from the two projections'
-  outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.fused_attention``).
+  outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.attention = "fused"``).
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three

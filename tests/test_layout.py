@@ -43,25 +43,46 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycles():
+def import_graph() -> dict[str, set[str]]:
+    """prx_compile module -> the prx_compile modules it imports (anywhere in it)."""
     files = sorted(PKG.rglob("*.py"))
     modules = {module_name(f) for f in files}
-    graph = {module_name(f): imports_of(f, modules) for f in files}
-    assert graph["prx_compile.module"] >= {"prx_compile.backends", "prx_compile.config"}
+    return {module_name(f): imports_of(f, modules) for f in files}
 
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def cycle_from(start):
         stack = [(start, [start])]
         while stack:
             node, path = stack.pop()
-            for nxt in graph[node]:
+            for nxt in graph.get(node, ()):
                 if nxt == start:
                     return path + [nxt]
                 if nxt not in path:
                     stack.append((nxt, path + [nxt]))
         return None
 
-    cycles = [c for m in graph if (c := cycle_from(m))]
-    assert not cycles, cycles[0]
+    return [c for m in graph if (c := cycle_from(m))]
+
+
+#: what only the tools (the CLI and the benchmark harness) may import: the test fixtures
+FIXTURES = {"prx_compile.testing"}
+TOOLS = {"prx_compile.cli", "prx_compile.bench", "prx_compile.__main__", "prx_compile.testing"}
+
+
+def fixture_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(library module, what it imports) for every import of the fixtures or the tools outside the tools."""
+    return sorted(
+        (m, t) for m, targets in graph.items() if m not in TOOLS for t in targets if t in FIXTURES | TOOLS
+    )
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert graph["prx_compile.module"] >= {"prx_compile.backends", "prx_compile.config"}
+    assert not cycles(graph), cycles(graph)[0]
+    planted = {**graph, "prx_compile.config": graph["prx_compile.config"] | {"prx_compile.module"}}
+    assert cycles(planted)  # the check sees a cycle when there is one
 
 
 def test_public_api():
@@ -78,11 +99,14 @@ def test_public_api():
         assert name in prx_compile.__all__ and callable(getattr(prx_compile, name))
 
 
-def test_the_product_never_imports_the_test_fixtures():
-    for f in PKG.rglob("*.py"):
-        if f.name in ("testing.py", "cli.py", "bench.py"):  # the CLI's --tiny demo model and the harness
-            continue
-        assert "testing" not in imports_of(f, {"prx_compile.testing"}) | {""}, f
+def test_the_library_never_imports_the_test_fixtures_or_the_tools():
+    graph = import_graph()
+    assert fixture_imports(graph) == []
+    assert "prx_compile.testing" in graph["prx_compile.cli"]  # the CLI's --tiny model: allowed there
+    planted = {**graph, "prx_compile.module": graph["prx_compile.module"] | {"prx_compile.testing"}}
+    assert fixture_imports(planted) == [("prx_compile.module", "prx_compile.testing")]
+    planted = {**graph, "prx_compile.saving": graph["prx_compile.saving"] | {"prx_compile.cli"}}
+    assert fixture_imports(planted) == [("prx_compile.saving", "prx_compile.cli")]
 
 
 def test_the_wheel_ships_the_presets(tmp_path):

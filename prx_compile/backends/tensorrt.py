@@ -25,14 +25,12 @@ correctness depends on are required (``trt_shim.compile_settings``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -95,19 +93,12 @@ class TensorRTBackend(Backend):
             optional["optimization_level"] = cfg.optimization_level
         return trt_shim.compile_settings(required, optional)
 
-    @contextlib.contextmanager
-    def _build_hooks(self) -> Iterator[None]:
-        """Our passes in Torch-TensorRT's post-lowering list, for the duration of one compile."""
-        passes = trt_shim.post_lowering_passes()
-        added = list(ENGINE_RULES.values())
+    def _engine_passes(self) -> list:
+        """Our post-lowering passes for one compile (``trt_shim.lowering_passes`` registers them)."""
+        passes = list(ENGINE_RULES.values())
         if self.config.weights == "engine":
-            added.append(self._record_provenance)
-        passes.extend(added)
-        try:
-            yield
-        finally:
-            for fn in added:
-                passes.remove(fn)
+            passes.append(self._record_provenance)
+        return passes
 
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
@@ -129,7 +120,7 @@ class TensorRTBackend(Backend):
 
         with (
             progress.stage("build TensorRT engines", times, "compile_s"),
-            self._build_hooks(),
+            trt_shim.lowering_passes(self._engine_passes()),
             trt_shim.building(converter),
             torch.no_grad(),
         ):

@@ -86,13 +86,23 @@ def compile_settings(
     return {**required, **{k: v for k, v in optional.items() if k in params}}
 
 
-@functools.lru_cache(maxsize=1)
-def post_lowering_passes() -> list:
-    """Torch-TensorRT's list of post-lowering passes (functions ``(gm, settings) -> gm``)."""
+@contextlib.contextmanager
+def lowering_passes(passes: list[Any]) -> Iterator[None]:
+    """Within the block, ``passes`` (functions ``(gm, settings) -> gm``) run after Torch-TensorRT's
+    own post-lowering passes: added with its registration API (``_aten_lowering_pass``) and removed
+    with ``_remove_lowering_pass`` when the block ends."""
     torch_tensorrt()
-    from torch_tensorrt.dynamo.lowering.passes._aten_lowering_pass import ATEN_POST_LOWERING_PASSES
+    from torch_tensorrt.dynamo.lowering.passes import _aten_lowering_pass as registry
 
-    return ATEN_POST_LOWERING_PASSES.passes
+    for fn in passes:
+        registry._aten_lowering_pass(fn)
+    try:
+        yield
+    finally:
+        for fn in passes:
+            registered = registry.ATEN_POST_LOWERING_PASSES.passes
+            if fn in registered:
+                registry._remove_lowering_pass(index=registered.index(fn))
 
 
 def engine_classes() -> tuple[type, ...]:
