@@ -18,9 +18,14 @@ from collections import Counter
 from pathlib import Path
 
 from ._version import __version__
-from .errors import PRXCompileError
+from .errors import PRXCompileError, excerpt, one_line
 
 EXIT_USAGE, EXIT_ERROR = 2, 1
+#: The largest integer argument (--steps, --height, ...): larger ones are typing errors.
+MAX_INT_ARG = 1 << 31
+#: The longest error line printed (an offending value is shown as a bounded ``excerpt``; this is
+#: the last bound, whatever a message holds).
+MAX_ERROR_CHARS = 1000
 DTYPES = ("bf16", "fp16", "fp32")
 #: The tiny demo model's engine set: its VAE is 1x, so latents are pixels; 16 text tokens.
 TINY = dict(
@@ -483,13 +488,21 @@ def cmd_inspect(args) -> int:
 
 
 # -- parser ------------------------------------------------------------------------------------
+def _integer(text: str) -> int:
+    """An integer argument of at most 19 digits (argparse's ``type=int`` echoes a bad value whole)."""
+    try:
+        return int(text) if len(text) <= 20 else int("x")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not an integer of at most 19 digits") from None
+
+
 def _positive(text: str) -> int:
     try:
-        v = int(text)
+        v = int(text) if len(text) <= 20 else 0
     except ValueError:
         v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    if not 1 <= v <= MAX_INT_ARG:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive integer up to {MAX_INT_ARG}")
     return v
 
 
@@ -610,14 +623,14 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--seed",
-        type=int,
+        type=_integer,
         default=0,
         help="image i (the prompt's index) uses seed + i, whatever the process count or the other "
         "prompts; default 0",
     )
     g.add_argument(
         "--num-processes",
-        type=int,
+        type=_integer,
         metavar="N",
         help="split the prompts over N processes of this machine, one GPU each (default: this process "
         "only; under accelerate launch, its processes)",
@@ -711,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     except PRXCompileError as e:
         if args.debug:
             raise
-        print(f"prx-compile: error: {e}", file=sys.stderr)
+        print(f"prx-compile: error: {one_line(e, MAX_ERROR_CHARS)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("prx-compile: interrupted", file=sys.stderr)
@@ -719,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        text = str(e)[:2000].strip()
+        first = one_line(text.splitlines()[0], 300) if text else ""
         print(
             f"prx-compile: error: {type(e).__name__}: {first} (run with --debug for the traceback)",
             file=sys.stderr,
