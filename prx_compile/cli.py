@@ -230,13 +230,36 @@ def cmd_build(args) -> int:
     return 0
 
 
+#: The largest prompts file read (a million prompts of 60 characters is 60 MB).
+MAX_PROMPTS_BYTES = 256 << 20
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a UTF-8 text file, one a line: split on "\\n" (and "\\r\\n") alone, not
+    ``str.splitlines()``, so a form feed, \\x1c, \\x85 or U+2028 inside a line stays inside its
+    prompt and every later image keeps its index; blank lines are skipped, ends stripped."""
+    f = Path(path)
+    if not f.is_file():
+        raise CLIError(f"prompts file {f} does not exist.")
+    if f.stat().st_size > MAX_PROMPTS_BYTES:
+        raise CLIError(f"prompts file {f} is more than {MAX_PROMPTS_BYTES >> 20} MiB.")
+    try:
+        text = f.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        bad = excerpt(e.object[e.start : e.start + 4])
+        raise CLIError(
+            f"prompts file {f} is not UTF-8 text (byte {e.start}: {bad}).", "save it as UTF-8."
+        ) from e
+    except OSError as e:
+        raise CLIError(f"prompts file {f} cannot be read ({e.strerror}).") from e
+    lines = (line[:-1] if line.endswith("\r") else line for line in text.split("\n"))
+    return [line.strip() for line in lines if line.strip()]
+
+
 def _prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        f = Path(args.prompts_file)
-        if not f.is_file():
-            raise CLIError(f"prompts file {f} does not exist.")
-        prompts += [line.strip() for line in f.read_text().splitlines() if line.strip()]
+        prompts += read_prompts(args.prompts_file)
     if not prompts:
         raise CLIError("no prompt given.", "pass --prompt TEXT (repeatable) or --prompts-file FILE.")
     return prompts
