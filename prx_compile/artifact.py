@@ -118,10 +118,12 @@ def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
 
 
 class Writer:
-    """Writes the files of one artifact into a private directory; ``finish`` adds the manifest."""
+    """Writes the files of one artifact into a private directory; ``finish`` adds the manifest.
+    ``private``: files 0600 whatever the umask (an engine-cache entry); else as ``open()`` makes them."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, private: bool = False):
         self.root = root
+        self.private = private
         self.files: dict[str, dict[str, Any]] = {}
 
     def _path(self, rel: str) -> Path:
@@ -133,7 +135,8 @@ class Writer:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self._path(rel)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        mode = 0o600 if self.private else 0o644
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -149,7 +152,8 @@ class Writer:
         path = self._path(rel)  # inside our fresh private directory: nothing else can be there
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         save_file(tensors, str(path), metadata=metadata)
-        os.chmod(path, 0o666 & ~umask())  # safetensors creates its files 0600
+        if not self.private:
+            os.chmod(path, 0o666 & ~umask())  # safetensors creates its files 0600
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         self.files[rel] = _entry(path)
@@ -192,14 +196,15 @@ def _blocks(fd: int, start: int, end: int) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike, kind: str) -> Iterator[Writer]:
+def writing(path: str | os.PathLike, kind: str, *, private: bool = False) -> Iterator[Writer]:
     """Write an artifact of ``kind`` at ``path``: yields a ``Writer`` on a private sibling directory,
     which replaces ``path`` when the block ends without an error (or is removed, if it raises).
 
     ``path`` may not exist, be an empty directory, or be an artifact of the same kind; anything else
-    is an ArtifactError (nothing is overwritten). The swap is one atomic ``renameat2(RENAME_EXCHANGE)``
-    where Linux offers it; otherwise two renames, undone if the second fails, and a previous artifact
-    left aside by a killed save is put back by the next one.
+    is an ArtifactError (nothing is overwritten). ``private``: the directory stays 0700 and its files
+    0600 (engine-cache entries, which trust only their owner); else they take the umask. The swap is
+    one atomic ``renameat2(RENAME_EXCHANGE)`` where Linux offers it; otherwise two renames, undone if
+    the second fails, and a previous artifact left aside by a killed save is put back by the next one.
     """
     path = Path(path)
     parent = path.parent
@@ -208,9 +213,10 @@ def writing(path: str | os.PathLike, kind: str) -> Iterator[Writer]:
         _recover(path)
         _check_replaceable(path, kind)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
-        os.chmod(tmp, 0o777 & ~umask())  # the artifact directory as mkdir would make it, not 0700
+        if not private:  # the artifact directory as mkdir would make it (mkdtemp's is 0700)
+            os.chmod(tmp, 0o777 & ~umask())
         try:
-            yield Writer(tmp)
+            yield Writer(tmp, private)
             if not (tmp / MANIFEST).is_file():
                 raise ArtifactError("internal error: an artifact was written without a manifest.")
             if os.path.lexists(path) and _exchange(tmp, path):

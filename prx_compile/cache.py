@@ -9,6 +9,14 @@ weights themselves. With ``weights: inputs`` a fine-tuned model or a LoRA is a c
 
 One lock file per key: of several processes asking for the same engines, one builds them and the
 others wait, then load what it stored. An entry that cannot be used is rebuilt, with a warning.
+
+The cache trusts only its owner, as ssh treats ``~/.ssh``: the cache directory, every entry and
+every file in it must belong to this user (``os.geteuid()``) and be writable by no one else, and an
+entry is never followed through a symbolic link. Anything else is refused with an ArtifactError
+naming the path and what to fix, before a byte of it is read: an entry planted by another user
+would hand TensorRT engines (code, in effect) of their choosing. A cache shared between users on
+purpose is ``PRX_COMPILE_CACHE_SHARED=1``: every user who can write there is then trusted (entries
+of other owners and group-writable ones are read; links and world-writable entries still are not).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +39,68 @@ from .export import ShapeRange
 
 logger = logging.getLogger(__name__)
 KIND = "cache-entry"
+#: ``PRX_COMPILE_CACHE_SHARED=1``: an engine cache shared between users on purpose (module docstring).
+SHARED_ENV = "PRX_COMPILE_CACHE_SHARED"
+
+
+class UntrustedCacheError(ArtifactError):
+    """A cache directory, entry or file that is not this user's own (``check_trusted``): refused,
+    never rebuilt over silently."""
+
+
+def shared() -> bool:
+    """Whether ``$PRX_COMPILE_CACHE_SHARED`` is 1: entries of other users are trusted."""
+    return os.environ.get(SHARED_ENV, "").strip() == "1"
+
+
+def check_trusted(path: Path, *, follow: bool = False) -> None:
+    """ArtifactError unless ``path`` (a cache directory, entry or file) is this user's and writable
+    by no one else; ``follow``: ``path`` may be a symbolic link to such a directory (the cache
+    directory itself), else a link is refused. With ``shared()``, only links and world-writable
+    paths are refused."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        raise ArtifactError(f"engine cache: {path} cannot be examined ({e.strerror}).") from e  # damaged
+    other = "use an engine cache directory of your own (engine_cache_dir, or $PRX_COMPILE_CACHE)"
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedCacheError(
+            f"engine cache: {path} is a symbolic link, and cache entries are never followed.",
+            f"remove it (the entry is built again), or {other}.",
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if shared():
+        if mode & stat.S_IWOTH:
+            raise UntrustedCacheError(
+                f"engine cache: {path} is writable by every user (mode {mode:o}), even for a shared cache.",
+                f"`chmod o-w {path}`, or {other}.",
+            )
+        return
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise UntrustedCacheError(
+            f"engine cache: {path} belongs to uid {st.st_uid}, not to you (uid {uid}): not trusted.",
+            f"remove it or `chown` it to yourself, or {other}; a cache shared between users on purpose "
+            f"needs {SHARED_ENV}=1 (README, Security model).",
+        )
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedCacheError(
+            f"engine cache: {path} is writable by group or others (mode {mode:o}): not trusted.",
+            f"`chmod go-w {path}`, or {other}; a cache shared between users on purpose needs "
+            f"{SHARED_ENV}=1 (README, Security model).",
+        )
+
+
+def check_entry(entry: Path) -> None:
+    """``check_trusted`` for an entry directory and its manifest (the files it lists are checked by
+    ``load_entry``, once the manifest is parsed)."""
+    check_trusted(entry)
+    if not stat.S_ISDIR(os.lstat(entry).st_mode):
+        raise UntrustedCacheError(
+            f"engine cache: {entry} is not a directory.", "remove it (it is built again)."
+        )
+    if os.path.lexists(entry / artifact.MANIFEST):
+        check_trusted(entry / artifact.MANIFEST)
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -68,11 +140,16 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
     stored. Returns (backend, {"key", "load_s"}), ``load_s`` None when it was built."""
     cfg = backend.config
     root = Path(cfg.engine_cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(mode=0o777 if shared() else 0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ArtifactError(f"engine cache: cannot create {root} ({e.strerror}).") from e
+    check_trusted(root, follow=True)
     key = cache_key(backend, example)
     entry = root / key
     with artifact.locked(root / f".{key}.build.lock"):
-        if entry.exists():
+        if os.path.lexists(entry):
+            check_entry(entry)  # refused, not rebuilt: someone else's or a link is a question to answer
             t0 = time.perf_counter()
             try:
                 loaded = load_entry(entry, backend)
@@ -82,6 +159,8 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
                 load_s = time.perf_counter() - t0
                 logger.info("engine cache hit %s (%.1f s)", key, load_s)
                 return loaded, {"key": key, "load_s": load_s}
+            except UntrustedCacheError:
+                raise
             except Exception as e:  # a damaged or foreign entry, whatever it raises: build instead
                 logger.warning("engine cache entry %s cannot be used (%s): building again", key, e)
         backend.build(example)
@@ -96,7 +175,7 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
 
 def store(entry: Path, backend: Backend) -> None:
     """Write ``backend``'s state as the cache entry ``entry`` (atomically)."""
-    with artifact.writing(entry, KIND) as w:
+    with artifact.writing(entry, KIND, private=True) as w:  # 0700/0600: only its owner is trusted
         record = artifact.write_state(w, "set", backend.state())
         w.finish(
             {
@@ -112,7 +191,11 @@ def store(entry: Path, backend: Backend) -> None:
 
 def load_entry(path: Path, like: Backend) -> Backend:
     """The backend stored at ``path``, over ``like``'s model and config (ArtifactError if unusable)."""
-    reader = artifact.open_artifact(path, kind=KIND)
+    check_entry(path)
+    reader = artifact.open_artifact(path, kind=KIND, verify=False)
+    for rel in reader.files:  # before any is read
+        check_trusted(path.joinpath(*artifact.check_name(rel)))
+    reader.verify()
     m = reader.manifest
     try:
         shapes = ShapeRange.from_dict(m.get("shapes"))

@@ -18,9 +18,14 @@ from collections import Counter
 from pathlib import Path
 
 from ._version import __version__
-from .errors import PRXCompileError
+from .errors import PRXCompileError, excerpt, one_line
 
 EXIT_USAGE, EXIT_ERROR = 2, 1
+#: The largest integer argument (--steps, --height, ...): larger ones are typing errors.
+MAX_INT_ARG = 1 << 31
+#: The longest error line printed (an offending value is shown as a bounded ``excerpt``; this is
+#: the last bound, whatever a message holds).
+MAX_ERROR_CHARS = 1000
 DTYPES = ("bf16", "fp16", "fp32")
 #: The tiny demo model's engine set: its VAE is 1x, so latents are pixels; 16 text tokens.
 TINY = dict(
@@ -225,13 +230,36 @@ def cmd_build(args) -> int:
     return 0
 
 
+#: The largest prompts file read (a million prompts of 60 characters is 60 MB).
+MAX_PROMPTS_BYTES = 256 << 20
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a UTF-8 text file, one a line: split on "\\n" (and "\\r\\n") alone, not
+    ``str.splitlines()``, so a form feed, \\x1c, \\x85 or U+2028 inside a line stays inside its
+    prompt and every later image keeps its index; blank lines are skipped, ends stripped."""
+    f = Path(path)
+    if not f.is_file():
+        raise CLIError(f"prompts file {f} does not exist.")
+    if f.stat().st_size > MAX_PROMPTS_BYTES:
+        raise CLIError(f"prompts file {f} is more than {MAX_PROMPTS_BYTES >> 20} MiB.")
+    try:
+        text = f.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        bad = excerpt(e.object[e.start : e.start + 4])
+        raise CLIError(
+            f"prompts file {f} is not UTF-8 text (byte {e.start}: {bad}).", "save it as UTF-8."
+        ) from e
+    except OSError as e:
+        raise CLIError(f"prompts file {f} cannot be read ({e.strerror}).") from e
+    lines = (line[:-1] if line.endswith("\r") else line for line in text.split("\n"))
+    return [line.strip() for line in lines if line.strip()]
+
+
 def _prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        f = Path(args.prompts_file)
-        if not f.is_file():
-            raise CLIError(f"prompts file {f} does not exist.")
-        prompts += [line.strip() for line in f.read_text().splitlines() if line.strip()]
+        prompts += read_prompts(args.prompts_file)
     if not prompts:
         raise CLIError("no prompt given.", "pass --prompt TEXT (repeatable) or --prompts-file FILE.")
     return prompts
@@ -511,13 +539,21 @@ def cmd_inspect(args) -> int:
 
 
 # -- parser ------------------------------------------------------------------------------------
+def _integer(text: str) -> int:
+    """An integer argument of at most 19 digits (argparse's ``type=int`` echoes a bad value whole)."""
+    try:
+        return int(text) if len(text) <= 20 else int("x")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not an integer of at most 19 digits") from None
+
+
 def _positive(text: str) -> int:
     try:
-        v = int(text)
+        v = int(text) if len(text) <= 20 else 0
     except ValueError:
         v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    if not 1 <= v <= MAX_INT_ARG:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive integer up to {MAX_INT_ARG}")
     return v
 
 
@@ -638,14 +674,14 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--seed",
-        type=int,
+        type=_integer,
         default=0,
         help="image i (the prompt's index) uses seed + i, whatever the process count or the other "
         "prompts; default 0",
     )
     g.add_argument(
         "--num-processes",
-        type=int,
+        type=_integer,
         metavar="N",
         help="split the prompts over N processes of this machine, one GPU each (default: this process "
         "only; under accelerate launch, its processes)",
@@ -747,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     except PRXCompileError as e:
         if args.debug:
             raise
-        print(f"prx-compile: error: {e}", file=sys.stderr)
+        print(f"prx-compile: error: {one_line(e, MAX_ERROR_CHARS)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("prx-compile: interrupted", file=sys.stderr)
@@ -755,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        text = str(e)[:2000].strip()
+        first = one_line(text.splitlines()[0], 300) if text else ""
         print(
             f"prx-compile: error: {type(e).__name__}: {first} (run with --debug for the traceback)",
             file=sys.stderr,

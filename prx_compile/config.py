@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import os
 import re
+import stat
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, excerpt, one_line
 from .export import ShapeRange
 
 BACKENDS = ("tensorrt", "inductor", "eager")
@@ -27,6 +30,8 @@ PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "error")
 RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
+#: The most ``specialize`` entries (each is an engine set of its own).
+MAX_SPECIALIZE = 256
 #: Settings an engine depends on (besides the model and its shapes): a change means new engines, and
 #: the engine cache and artifacts key on them. Everything else is a runtime switch.
 ENGINE_KEYS = (
@@ -134,7 +139,7 @@ class CompileConfig:
         def choice(key, allowed):
             v = getattr(self, key)
             if not isinstance(v, str) or v not in allowed:
-                raise ConfigError(f"{key}={v!r} is not allowed.", f"use one of {list(allowed)}.")
+                raise ConfigError(f"{key}={excerpt(v)} is not allowed.", f"use one of {list(allowed)}.")
 
         choice("backend", BACKENDS)
         if self.dtype is not None:
@@ -151,7 +156,7 @@ class CompileConfig:
         choice("range_linears", RANGE_LINEARS)
         for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "share_engines"):
             if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false.")
+                raise ConfigError(f"{key}={excerpt(getattr(self, key))} must be true or false.")
         for key in ("batch", "text_len"):
             v = getattr(self, key)
             if (
@@ -161,13 +166,14 @@ class CompileConfig:
                 or not 1 <= v[0] <= v[1] <= 1 << 16
             ):
                 raise ConfigError(
-                    f"{key}={v!r} must be [min, max] integers with 1 <= min <= max.", f"e.g. {key}: [1, 2]"
+                    f"{key}={excerpt(v)} must be [min, max] integers with 1 <= min <= max.",
+                    f"e.g. {key}: [1, 2]",
                 )
             setattr(self, key, list(v))
         for key in ("resolution", "vae_scale_factor"):
             v = getattr(self, key)
             if not _is_int(v) or not 0 < v <= 1 << 16:
-                raise ConfigError(f"{key}={v!r} must be a positive integer.")
+                raise ConfigError(f"{key}={excerpt(v)} must be a positive integer.")
         if self.resolution % self.vae_scale_factor:
             raise ConfigError(
                 f"resolution={self.resolution} is not a multiple of vae_scale_factor={self.vae_scale_factor}."
@@ -176,7 +182,7 @@ class CompileConfig:
             not _is_int(b) or b not in BIN_FAMILIES for b in self.aspect_bins
         ):
             raise ConfigError(
-                f"aspect_bins={self.aspect_bins!r}: each entry must be one of {list(BIN_FAMILIES)}.",
+                f"aspect_bins={excerpt(self.aspect_bins)}: each entry must be one of {list(BIN_FAMILIES)}.",
                 "use [] for the square resolution only.",
             )
         self.aspect_bins = list(self.aspect_bins)
@@ -187,32 +193,41 @@ class CompileConfig:
         for key, rng in (("opt_batch", self.batch), ("opt_text_len", self.text_len)):
             v = getattr(self, key)
             if v is not None and not (_is_int(v) and rng[0] <= v <= rng[1]):
-                raise ConfigError(f"{key}={v!r} must be an integer in {rng}.")
+                raise ConfigError(f"{key}={excerpt(v)} must be an integer in {rng}.")
         if self.optimization_level is not None and (
             not _is_int(self.optimization_level) or self.optimization_level not in range(6)
         ):
             raise ConfigError(
-                f"optimization_level={self.optimization_level!r} is not allowed.",
+                f"optimization_level={excerpt(self.optimization_level)} is not allowed.",
                 "use an integer 0..5 or null.",
             )
         if self.engine_cache_dir is not None and (
             not isinstance(self.engine_cache_dir, str) or not self.engine_cache_dir
         ):
-            raise ConfigError(f"engine_cache_dir={self.engine_cache_dir!r} must be a directory path or null.")
+            raise ConfigError(
+                f"engine_cache_dir={excerpt(self.engine_cache_dir)} must be a directory path or null."
+            )
         self.device = self._check_device(self.device)
 
     def _check_specialize(self, shapes: Any) -> list[list[int]]:
         hint = "e.g. specialize: [[1024, 1024, 2], [1024, 1024, 1]] (height, width, batch in pixels)."
         if not isinstance(shapes, (list, tuple)):
-            raise ConfigError(f"specialize={shapes!r} must be a list of [height, width, batch].", hint)
+            raise ConfigError(f"specialize={excerpt(shapes)} must be a list of [height, width, batch].", hint)
+        if len(shapes) > MAX_SPECIALIZE:
+            raise ConfigError(
+                f"specialize has {len(shapes)} entries, more than {MAX_SPECIALIZE}.",
+                "each entry is an engine set of its own (about a minute to build); list the serving shapes.",
+            )
         out = []
         for s in shapes:
             if not isinstance(s, (list, tuple)) or len(s) != 3 or not all(_is_int(x) and x > 0 for x in s):
-                raise ConfigError(f"specialize entry {s!r} must be [height, width, batch] integers.", hint)
+                raise ConfigError(
+                    f"specialize entry {excerpt(s)} must be [height, width, batch] integers.", hint
+                )
             h, w, b = s
             if h % self.vae_scale_factor or w % self.vae_scale_factor or max(h, w) > 1 << 16 or b > 1 << 16:
                 raise ConfigError(
-                    f"specialize entry {list(s)}: height and width must be multiples of "
+                    f"specialize entry {excerpt(list(s))}: height and width must be multiples of "
                     f"vae_scale_factor={self.vae_scale_factor}.",
                     hint,
                 )
@@ -227,7 +242,7 @@ class CompileConfig:
         except (RuntimeError, ValueError):
             d = None
         if d is None or d.type not in ("cuda", "cpu"):
-            raise ConfigError(f"device={device!r} is not a device.", "use 'cuda', 'cuda:N' or 'cpu'.")
+            raise ConfigError(f"device={excerpt(device)} is not a device.", "use 'cuda', 'cuda:N' or 'cpu'.")
         return str(d)
 
     # -- construction ---------------------------------------------------------------------------
@@ -237,35 +252,34 @@ class CompileConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
         names = [f.name for f in fields(cls)]
-        unknown = sorted(str(k)[:80] for k in set(data) - set(names))
+        unknown = [k for k in data if k not in names]
         if unknown:
-            guesses = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-            hint = "; ".join(f"{k!r}: did you mean {g[0]!r}?" for k, g in guesses.items() if g)
-            raise ConfigError(
-                f"{source}: unknown key(s) {unknown[:10]}." + (f" {hint}" if hint else ""),
-                f"valid keys: {names}.",
-            )
+            shown = ", ".join(sorted(excerpt(k, 40) for k in unknown[:10]))
+            more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+            guesses = {
+                k: difflib.get_close_matches(k, names, n=1) for k in unknown[:10] if isinstance(k, str)
+            }
+            hint = "".join(f" {excerpt(k, 40)}: did you mean {g[0]!r}?" for k, g in guesses.items() if g)
+            raise ConfigError(f"{source}: unknown key(s) [{shown}]{more}.{hint}", f"valid keys: {names}.")
         return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> CompileConfig:
-        import yaml
-
+        """Read a YAML config (at most ``MAX_YAML_BYTES``, no anchors or aliases, see ``load_yaml``);
+        every error names the file."""
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except (FileNotFoundError, IsADirectoryError) as e:
-            raise ConfigError(f"config file {path} does not exist.") from e
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
-        except (yaml.YAMLError, RecursionError) as e:
-            raise ConfigError(f"{path} is not valid YAML: {str(e)[:200]}") from e
+        data = load_yaml(path)
         if data is None:  # an empty file is a mistake more often than "all defaults" (1024 px, minutes)
             raise ConfigError(
                 f"config file {path} is empty: it sets no key.",
                 "set the keys you want (see help(CompileConfig)), or leave the config out for the defaults.",
             )
-        return cls.from_dict(data, source=str(path))
+        try:
+            return cls.from_dict(data, source=str(path))
+        except ConfigError as e:
+            if e.message.startswith(str(path)):
+                raise
+            raise ConfigError(f"{path}: {e.message}", e.hint) from e
 
     @classmethod
     def resolve(
@@ -371,16 +385,92 @@ class CompileConfig:
         return sets
 
 
+#: The largest YAML config read (a config is a few hundred bytes; this bounds the parser's time).
+MAX_YAML_BYTES = 1 << 20
+
+
+#: The longest integer a YAML config may spell (digits, signs, "_" and ":" included).
+MAX_YAML_INT_CHARS = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _safe_loader():
+    """A ``yaml.SafeLoader`` that refuses anchors and aliases and long integers. An alias is a
+    reference, and nested ones ("billion laughs") make a 451-byte file a structure of 10**9 items; a
+    config never needs one (merge keys ``<<`` then only merge mappings written out in full, which
+    expands nothing). A long integer costs quadratic time to build (YAML 1.1's base 60,
+    ``1:59:59:...``) or raises a raw ValueError (more than 4300 digits)."""
+    import yaml
+
+    class NoAliasSafeLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise yaml.composer.ComposerError(
+                    None, None, "anchors and aliases (&name, *name) are not allowed", event.start_mark
+                )
+            return super().compose_node(parent, index)
+
+        def construct_yaml_int(self, node):
+            if len(node.value) > MAX_YAML_INT_CHARS:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"an integer of {len(node.value)} characters is too long", node.start_mark
+                )
+            return super().construct_yaml_int(node)
+
+    NoAliasSafeLoader.add_constructor("tag:yaml.org,2002:int", NoAliasSafeLoader.construct_yaml_int)
+    return NoAliasSafeLoader
+
+
+def load_yaml(path: Path) -> Any:
+    """The YAML document of ``path`` as plain data, read in bounded time and memory: a regular file
+    of at most ``MAX_YAML_BYTES``, UTF-8, without anchors or aliases. A ConfigError naming the file
+    otherwise."""
+    import yaml
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise ConfigError(f"config file {path} does not exist.") from e
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"config file {path} does not exist (it is a directory).")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"config file {path} is not a regular file.")
+        if st.st_size > MAX_YAML_BYTES:
+            raise ConfigError(
+                f"config file {path} is {st.st_size} bytes, more than {MAX_YAML_BYTES}.",
+                "a config is a few lines of YAML; pass the right file.",
+            )
+        try:
+            raw = f.read(MAX_YAML_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"config file {path} is more than {MAX_YAML_BYTES} bytes.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}).") from e
+    try:
+        return yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{path} is not valid YAML: {one_line(e)}") from e
+
+
 def preset_path(name: str) -> Path:
     """The YAML file of preset ``name``, or a ConfigError listing the presets."""
     if not _PRESET_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(
-            f"{name!r} is neither a YAML file nor a preset name.",
+            f"{excerpt(name)} is neither a YAML file nor a preset name.",
             f"available presets: {list_presets()}; a file must end in .yaml.",
         )
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ConfigError(f"no preset named {name!r}.", f"available presets: {list_presets()}.")
+        raise ConfigError(f"no preset named {excerpt(name)}.", f"available presets: {list_presets()}.")
     return path
 
 

@@ -25,11 +25,14 @@ generate --num-processes N`` launches N processes on this machine for you. The r
 - **No collective after start-up.** Each rank writes its record (written, skipped, failed, timings,
   engine builds) to ``<out_dir>/.prx-generate/<run>/rank-<r>.json`` when it ends; that is all the
   ranks exchange, so a dead rank cannot hang the others. The run id comes from the launcher or, under
-  accelerate, from one broadcast right after the process group forms.
+  accelerate, from one broadcast right after the process group forms, with a random run token that
+  every record carries: a ``rank-*.json`` without this run's token (left by another run, or forged)
+  is ignored with a warning. The run's folder is private (mode 700).
 - **One coordinator** (rank 0, or the ``--num-processes`` launcher) shows one progress bar for the
   whole job (finished PNGs), waits for every rank's record or its death (a rank of this host whose
   process is gone; under the launcher, a worker that exited), then lists the prompts without a PNG
-  ("missing") and writes the summary (``summary_path``, default ``<out_dir>/summary.json``).
+  ("missing") and writes the summary (``summary_path``, default ``<out_dir>/summary.json``). Only
+  regular ``*.png`` files count as finished images (not a folder or a link of that name).
 
 Timing: ``images_per_s`` counts the images made in this run over the generation window (the first
 rank's start of generation to the last rank's end); it leaves out process start, model load and
@@ -43,6 +46,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -60,13 +64,15 @@ import torch
 
 from . import progress
 from .artifact import write_atomic
-from .errors import ConfigError
+from .errors import ConfigError, excerpt
 
 logger = logging.getLogger(__name__)
 
 STATUS_DIR = ".prx-generate"
 #: Set by ``launch`` in its workers: the run id; the launcher coordinates, not rank 0.
 RUN_ENV = "PRX_COMPILE_RUN"
+#: Set by ``launch`` in its workers beside ``RUN_ENV``: the run's secret token (``_run_id``).
+TOKEN_ENV = "PRX_COMPILE_RUN_TOKEN"
 #: The engine cache folder shared by the processes of a run (``default_engine_cache``).
 CACHE_ENV = "PRX_COMPILE_CACHE"
 #: Test hook: the rank with this number kills itself (SIGKILL) after loading, before its first image.
@@ -78,6 +84,7 @@ START_TIMEOUT_S = 600
 READY_TIMEOUT_S = 1800
 POLL_S = 0.25
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
 # -- names, seeds, shares --------------------------------------------------------------------------
@@ -167,14 +174,24 @@ def _remove_old_runs(out_dir: Path, keep: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _is_png(path: Path) -> bool:
+    """Is ``path`` a regular file (not a folder, a link or a device)? Only those count as images."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _finished(out_dir: Path, names: list[str], resume: bool, since: float) -> list[bool]:
-    """Per prompt: does its PNG exist (and, without resume, was it written in this run)?"""
+    """Per prompt: is its PNG there as a regular file (and, without resume, written in this run)?"""
     mtimes = {}
     with os.scandir(out_dir) as it:
         for entry in it:
             if entry.name.endswith(".png"):
                 with contextlib.suppress(OSError):
-                    mtimes[entry.name] = entry.stat().st_mtime
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        mtimes[entry.name] = st.st_mtime
     return [n in mtimes and (resume or mtimes[n] >= since) for n in names]
 
 
@@ -259,38 +276,48 @@ def _process() -> tuple[Any, torch.device]:
     return state, device
 
 
-def _run_id(state: Any) -> tuple[str, bool]:
-    """(this run's id, whether this process coordinates). A launcher passes the id (and coordinates);
-    under accelerate rank 0 makes one and broadcasts it, once, over a gloo group."""
+def _run_id(state: Any) -> tuple[str, str, bool]:
+    """(this run's id, its secret token, whether this process coordinates). A launcher passes both
+    (and coordinates); under accelerate rank 0 makes them and broadcasts them, once, over a gloo
+    group. Every record of the run carries the token; the coordinator reads no other."""
     given = os.environ.get(RUN_ENV)
     if given:
-        if not _RUN_ID.fullmatch(given):
+        token = os.environ.get(TOKEN_ENV, "")
+        if not _RUN_ID.fullmatch(given) or not _TOKEN.fullmatch(token):
             raise ConfigError(
-                f"{RUN_ENV}={given[:80]!r} is not a run id.", "unset it (the launcher sets it)."
+                f"{RUN_ENV}={excerpt(given)} with {TOKEN_ENV} is not a run id and token.",
+                f"unset {RUN_ENV} (the launcher sets both).",
             )
-        return given, False
+        return given, token, False
     if state.num_processes == 1:
-        return uuid.uuid4().hex[:16], True
+        return uuid.uuid4().hex[:16], secrets.token_hex(16), True
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=START_TIMEOUT_S))
-    box = [uuid.uuid4().hex[:16] if state.is_main_process else None]
+    box = [(uuid.uuid4().hex[:16], secrets.token_hex(16)) if state.is_main_process else None]
     dist.broadcast_object_list(box, src=0, group=group)
     dist.destroy_process_group(group)
-    return box[0], state.is_main_process
+    run_id, token = box[0]
+    return run_id, token, state.is_main_process
 
 
 # -- one rank ------------------------------------------------------------------------------------
-def _gone_on_this_host(run_dir: Path, rank: int, host: str) -> str | None:
+def _gone_on_this_host(run_dir: Path, rank: int, host: str, token: str) -> str | None:
     """Why rank ``rank`` ended without its record, if it ran on this host and its process is gone;
-    None while it may still report (running, not started yet, or on another host)."""
+    None while it may still report (running, not started yet, on another host, or its start record
+    is not of this run: without ``token``)."""
     start = _read_json(run_dir / f"rank-{rank}.start.json")
-    if not start or start.get("host") != host or not _valid_pid(start.get("pid")):
+    if (
+        not start
+        or start.get("token") != token
+        or start.get("host") != host
+        or not _valid_pid(start.get("pid"))
+    ):
         return None
     return None if _alive(start["pid"]) else f"process {start['pid']} is gone"
 
 
-def _wait_for_peers(run_dir: Path, world: int, rank: int, host: str) -> None:
+def _wait_for_peers(run_dir: Path, world: int, rank: int, host: str, token: str) -> None:
     """Start generating together: wait until every other rank is ready (loaded), finished, or gone,
     so that the ranks' generation windows overlap and images/s measures them running side by side."""
     (run_dir / f"rank-{rank}.ready").touch()
@@ -302,7 +329,7 @@ def _wait_for_peers(run_dir: Path, world: int, rank: int, host: str) -> None:
             for r in waiting
             if not (run_dir / f"rank-{r}.ready").exists()
             and not (run_dir / f"rank-{r}.json").exists()
-            and not _gone_on_this_host(run_dir, r, host)
+            and not _gone_on_this_host(run_dir, r, host, token)
         }
         if waiting:
             time.sleep(POLL_S)
@@ -341,17 +368,20 @@ def _run_share(
     world: int,
     device: torch.device,
     *,
+    token: str,
     resume: bool,
     on_image: Callable[[], None] | None,
     **call: Any,
 ) -> dict[str, Any]:
     """Make this rank's images; write and return its record (also when a prompt or the factory fails)."""
     host, pid = socket.gethostname(), os.getpid()
-    _write_json(run_dir / f"rank-{rank}.start.json", {"rank": rank, "host": host, "pid": pid})
-    todo = [i for i in indices if not (resume and (out_dir / names[i]).is_file())]
+    start = {"rank": rank, "host": host, "pid": pid, "token": token}
+    _write_json(run_dir / f"rank-{rank}.start.json", start)
+    todo = [i for i in indices if not (resume and _is_png(out_dir / names[i]))]
     skipped = sorted(set(indices) - set(todo))
     record: dict[str, Any] = {
         "kind": "rank",
+        "token": token,
         "rank": rank,
         "host": host,
         "pid": pid,
@@ -389,7 +419,7 @@ def _run_share(
         call["height"], call["width"] = call["height"] or size[0], call["width"] or size[1]
         if os.environ.get(TEST_KILL_ENV) == str(rank):
             os.kill(pid, signal.SIGKILL)
-        _wait_for_peers(run_dir, world, rank, host)
+        _wait_for_peers(run_dir, world, rank, host, token)
         record["generate_start"] = time.time()
         t1 = time.perf_counter()
         for i in todo:
@@ -466,25 +496,39 @@ def _coordinate(
     gone: Callable[[int], str | None],
     bar: _JobBar,
     *,
+    token: str,
     resume: bool,
     since: float,
 ) -> tuple[dict[int, dict[str, Any]], dict[int, str], list[bool]]:
     """Wait for every rank's record, or its end without one (``gone(rank)`` gives the reason, or
-    None while it may still report), updating the bar. Returns (records, ended, finished per prompt)."""
+    None while it may still report), updating the bar. A record without this run's ``token`` is not
+    this run's: ignored, with a warning, while the rank may still write its own. Returns (records,
+    ended, finished per prompt); the records without their token."""
     records: dict[int, dict[str, Any]] = {}
     ended: dict[int, str] = {}
+    foreign: set[int] = set()
+
+    def read(r: int) -> dict[str, Any] | None:
+        rec = _read_json(run_dir / f"rank-{r}.json")
+        if rec is not None and rec.get("token") != token:
+            if r not in foreign:
+                foreign.add(r)
+                logger.warning("%s is not from this run (no or another run token): ignored", f"rank-{r}.json")
+            return None
+        return rec
+
     while True:
         for r in range(world):
             if r in records or r in ended:
                 continue
-            rec = _read_json(run_dir / f"rank-{r}.json")
+            rec = read(r)
             reason = None if rec else gone(r)
             if reason:  # it may have written its record just before it ended
-                rec = _read_json(run_dir / f"rank-{r}.json")
+                rec = read(r)
             if rec and not _valid_record(rec, r):
                 rec, reason = None, "its record is malformed"
             if rec:
-                records[r] = rec
+                records[r] = {k: v for k, v in rec.items() if k != "token"}
             elif reason:
                 ended[r] = reason
         finished = _finished(out_dir, names, resume, since)
@@ -647,12 +691,12 @@ def generate_images(
     names = [image_name(i, p) for i, p in enumerate(prompts)]
     started = time.time()
     state, device = _process()
-    run_id, coordinates = _run_id(state)
+    run_id, token, coordinates = _run_id(state)
     rank, world = state.process_index, state.num_processes
     if coordinates:
         _remove_old_runs(out_dir, keep=run_id)
     run_dir = _status_root(out_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     show = progress.enabled() if show_progress is None else show_progress
     bar = (
         _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show) if coordinates else None
@@ -681,6 +725,7 @@ def generate_images(
                 rank,
                 world,
                 device,
+                token=token,
                 resume=resume,
                 on_image=on_image if bar else None,
                 **call,
@@ -703,8 +748,9 @@ def generate_images(
             out_dir,
             run_dir,
             world,
-            lambda r: _gone_on_this_host(run_dir, r, host),
+            lambda r: _gone_on_this_host(run_dir, r, host, token),
             bar,
+            token=token,
             resume=resume,
             since=started,
         )
@@ -744,10 +790,10 @@ def launch(
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [image_name(i, p) for i, p in enumerate(prompts)]
     started = time.time()
-    run_id = uuid.uuid4().hex[:16]
+    run_id, token = uuid.uuid4().hex[:16], secrets.token_hex(16)
     _remove_old_runs(out_dir, keep=run_id)
     run_dir = _status_root(out_dir) / run_id
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(mode=0o700, parents=True)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {
         **os.environ,
@@ -758,6 +804,7 @@ def launch(
         "MASTER_PORT": str(store.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         RUN_ENV: run_id,
+        TOKEN_ENV: token,
     }
     bar = _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show_progress)
     workers: list[subprocess.Popen] = []
@@ -771,7 +818,16 @@ def launch(
             return None if code is None else _exit_reason(code)
 
         records, ended, finished = _coordinate(
-            prompts, names, out_dir, run_dir, num_processes, gone, bar, resume=resume, since=started
+            prompts,
+            names,
+            out_dir,
+            run_dir,
+            num_processes,
+            gone,
+            bar,
+            token=token,
+            resume=resume,
+            since=started,
         )
     except BaseException:
         for w in workers:

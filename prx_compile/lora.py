@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import fp8
-from .errors import LoRAError
+from .errors import LoRAError, excerpt
 from .module import CompiledTransformer
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
@@ -43,6 +43,15 @@ _PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "dif
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 _FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+#: Bounds on a LoRA's numbers (far above any real LoRA; beyond them the fused weights overflow):
+#: an adapter's scale (|scale|), a layer's alpha (|alpha|), alpha / r (|alpha / r|) and the rank
+#: ``r`` an adapter_config.json may give.
+MAX_SCALE = 1e4
+MAX_ALPHA = 1e5
+MAX_LAYER_SCALE = 1e4
+MAX_RANK = 1 << 16
+#: The largest adapter_config.json read (a real one is well under 10 kB).
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 
 
 @dataclass
@@ -102,7 +111,14 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | N
 
 
 def _peft_scale(path: Path) -> float | None:
-    """lora_alpha / r from a PEFT adapter_config.json (None when it gives neither)."""
+    """lora_alpha / r from a PEFT adapter_config.json (None when it gives neither): alpha a positive
+    number up to ``MAX_ALPHA``, r a positive integer up to ``MAX_RANK``."""
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise LoRAError(f"{path} cannot be read ({type(e).__name__}).") from e
+    if size > MAX_ADAPTER_CONFIG_BYTES:
+        raise LoRAError(f"{path} is more than {MAX_ADAPTER_CONFIG_BYTES} bytes: not an adapter config.")
     try:
         c = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -112,14 +128,32 @@ def _peft_scale(path: Path) -> float | None:
     alpha, r = c.get("lora_alpha"), c.get("r")
     if alpha is None and r is None:
         return None
-    for key, v in (("lora_alpha", alpha), ("r", r)):
-        if not _finite_number(v) or v <= 0:
-            raise LoRAError(f"{path}: {key}={str(v)[:40]} must be a positive number.")
-    return float(alpha) / float(r)
+    if not _finite_number(alpha, MAX_ALPHA) or alpha <= 0:
+        raise LoRAError(
+            f"{path}: lora_alpha={excerpt(alpha, 40)} must be a positive number up to {MAX_ALPHA:g}."
+        )
+    if not _finite_number(r, MAX_RANK) or r <= 0 or (isinstance(r, float) and not r.is_integer()):
+        raise LoRAError(
+            f"{path}: r={excerpt(r, 40)} must be a positive number, an integer rank up to {MAX_RANK}."
+        )
+    return _layer_scale(float(alpha), int(r), str(path))
 
 
-def _finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _finite_number(v: Any, limit: float = 2.0**53) -> bool:
+    """An int or float (not a bool) with ``|v| <= limit``: finite, and no OverflowError later
+    (``float(10**400)`` raises; comparing it does not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -limit <= v <= limit
+
+
+def _layer_scale(alpha: float, rank: int, where: str) -> float:
+    """alpha / r, refused beyond ``MAX_LAYER_SCALE`` (LoRAError naming ``where``)."""
+    scale = alpha / rank
+    if not abs(scale) <= MAX_LAYER_SCALE:
+        raise LoRAError(
+            f"{where}: alpha / r = {alpha:g} / {rank} = {scale:g} is beyond +-{MAX_LAYER_SCALE:g}.",
+            "the LoRA's alpha is not what it was trained with; fix it or drop it (alpha / r = 1).",
+        )
+    return scale
 
 
 def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -167,9 +201,14 @@ def parse_lora(
         if a is not None:
             if t.numel() != 1 or not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
                 raise LoRAError(f"LoRA {name!r}: {key} must hold one number.")
-            alpha = float(t.float().reshape(-1)[0])
+            alpha = float(t.double().reshape(-1)[0])
             if not math.isfinite(alpha):
                 raise LoRAError(f"LoRA {name!r}: {key} is {alpha}, not a finite number.")
+            if not abs(alpha) <= MAX_ALPHA:
+                raise LoRAError(
+                    f"LoRA {name!r}: layer {mod} alpha {alpha:g} is beyond +-{MAX_ALPHA:g}.",
+                    "alpha is usually the rank or a small multiple of it; fix the file.",
+                )
             if mod in alphas and alphas[mod] != alpha:
                 raise LoRAError(f"LoRA {name!r}: layer {mod} has two different alpha values.")
             alphas[mod] = alpha
@@ -218,7 +257,10 @@ def parse_lora(
         for label, t in (("A/down", down), ("B/up", up)):
             if not bool(torch.isfinite(t).all()):
                 raise LoRAError(f"LoRA {name!r}: layer {mod} matrix {label} holds NaN or infinite values.")
-        scale = alphas[mod] / rank if mod in alphas else (default_scale if default_scale is not None else 1.0)
+        if mod in alphas:
+            scale = _layer_scale(alphas[mod], rank, f"LoRA {name!r}: layer {mod}")
+        else:
+            scale = default_scale if default_scale is not None else 1.0
         dev = lin.weight.device
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
     if not layers:
@@ -265,7 +307,9 @@ def _state(transformer: torch.nn.Module) -> LoRAState:
 def _weights_for(
     transformer, state: LoRAState, active: dict[str, float], touched: set[str]
 ) -> dict[str, torch.Tensor]:
-    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified)."""
+    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified).
+    A LoRAError naming the layer when a fused weight is not finite in the weight's dtype (an fp16
+    weight overflows at 65504)."""
     params = dict(transformer.named_parameters())
     out = {}
     for fqn in sorted(touched):
@@ -278,6 +322,13 @@ def _weights_for(
                 d = layer.delta() * active[name]
                 acc = d if acc is None else acc + d
         out[fqn] = w0.clone() if acc is None else (w0.float() + acc).to(w0.dtype)
+        if acc is not None and not bool(torch.isfinite(out[fqn]).all()):
+            names = [n for n in sorted(active) if mod in state.adapters[n].layers and active[n] != 0.0]
+            raise LoRAError(
+                f"LoRA {', '.join(names)}: layer {mod}: the fused weight is not finite in {w0.dtype} "
+                f"(scales {[active[n] for n in names]}).",
+                "lower the scale, or check the LoRA's alpha and matrices; nothing was changed.",
+            )
     return out
 
 
@@ -369,8 +420,10 @@ def set_lora(model: Any, names: str | list[str], scales: float | list[float] | N
 
 def _check_scales(scales: list[Any]) -> None:
     for v in scales:
-        if not _finite_number(v):
-            raise LoRAError(f"LoRA scale {str(v)[:40]} is not a finite number.")
+        if not _finite_number(v, MAX_SCALE):
+            raise LoRAError(
+                f"LoRA scale {excerpt(v, 40)} is not a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}]."
+            )
 
 
 def unload_lora(model: Any) -> dict[str, Any]:
@@ -443,7 +496,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
         for mod, scale in data["layers"].items():
             lin = linears.get(mod) if isinstance(mod, str) else None
             down, up = tensors.get(f"{name}/{mod}/down"), tensors.get(f"{name}/{mod}/up")
-            if lin is None or down is None or up is None or not _finite_number(scale):
+            if lin is None or down is None or up is None or not _finite_number(scale, MAX_LAYER_SCALE):
                 raise LoRAError(f"adapter {name!r}: layer {str(mod)[:80]!r} is unknown or incomplete.")
             ok = (
                 down.dim() == 2

@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from . import artifact, fp8, lora
 from .artifact import field
 from .backends import backend_class, make_backend
 from .config import DTYPES, CompileConfig
-from .errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError
+from .errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError, excerpt
 from .export import ShapeRange
 from .module import CompiledTransformer
 
@@ -204,13 +203,13 @@ def _check_value(key: str, v: Any, default: Any) -> None:
     elif isinstance(default, int):
         ok = small_int(v) and (key != "depth" or v <= 256)
     elif isinstance(default, float):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= 1e9
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1e9  # no OverflowError
     else:  # axes_dim, bottleneck_size: None by default
         ok = (
             v is None or small_int(v) or (isinstance(v, list) and 0 < len(v) <= 16 and all(map(small_int, v)))
         )
     if not ok:
-        raise ArtifactError(f"manifest.model.config.{key}={str(v)[:60]} is not an allowed value.")
+        raise ArtifactError(f"manifest.model.config.{key}={excerpt(v, 60)} is not an allowed value.")
 
 
 def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:

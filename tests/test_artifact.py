@@ -215,6 +215,16 @@ def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypat
         ),
         (
             "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"theta": 10**400}},
+            r"config\.theta=<1329-bit int> is not an allowed value",
+        ),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"depth": 10**400}},
+            r"config\.depth=<1329-bit int> is not an allowed value",
+        ),
+        (
+            "prx_compile.model",
             {"class": "PRXTransformer2DModel", "config": {"depth": None}},
             "not an allowed",
         ),
@@ -257,6 +267,7 @@ def test_hostile_records_in_hashed_files_are_artifact_errors(artifact, key, reco
         ({"batch": [True, 2]}, "batch"),
         ({"dtype": "bf16"}, "expected one dtype"),
         ({"weights": "exec"}, "weights"),
+        ({"resolution": 10**400}, r"resolution=<1329-bit int> must be a positive integer"),
     ],
 )
 def test_hostile_config_values_are_artifact_errors(artifact, value, match):

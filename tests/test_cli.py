@@ -270,3 +270,10 @@ def test_bench_tiny_measures_every_path(tmp_path):
 def test_bench_reports_a_failing_path_and_exits_1():
     r = run("bench", "--quiet", "--iters", "1", "--paths", "eager", "plain_mttm")
     assert r.returncode == 1 and "plain_mttm on 32x32 b2:" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["bench", "--iters"], ["generate", "--prompt", "x", "--seed"]])
+def test_a_huge_argument_is_echoed_as_a_bounded_excerpt(args):
+    r = run(*args, "9" * 100_000)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr) < 3000, len(r.stderr)
+    assert "'99999999" in r.stderr and "...999" in r.stderr

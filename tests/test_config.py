@@ -167,3 +167,105 @@ def test_a_key_typo_gets_a_suggestion_and_an_empty_yaml_is_refused(tmp_path):
     empty.write_text("# nothing yet\n")
     with pytest.raises(ConfigError, match="empty.yaml is empty: it sets no key"):
         CompileConfig.resolve(str(empty))
+
+
+# -- untrusted YAML and bounded messages (issue 26) -----------------------------------------------
+LAUGHS = (
+    "".join(
+        f"{k}: &{k} [{', '.join([f'*{p}'] * 9 if p else ['lol'] * 9)}]\n"
+        for p, k in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh", strict=True)
+    )
+    + "batch: [*h, *h]\n"
+)
+
+
+def test_billion_laughs_fails_fast_naming_the_file(tmp_path):
+    import time
+
+    p = tmp_path / "laughs.yaml"
+    p.write_text(LAUGHS)
+    assert len(LAUGHS) < 500
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"laughs\.yaml.*anchors and aliases") as e:
+        CompileConfig.resolve(p)
+    assert time.perf_counter() - t < 1.0
+    assert len(str(e.value)) < 400 and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("a: &x 1\nbackend: eager\n", "anchors and aliases"),  # an anchor alone is refused too
+        ("batch: [" + "1" * 5000 + ", 2]\n", "integer of 5000 characters is too long"),
+        ("batch: [1" + ":59" * 300_000 + ", 2]\n", "integer of 900001 characters"),  # base 60: quadratic
+        ("backend: eager\nbatch: [2, 1]\n", r"c\.yaml: batch=\[2, 1\] must be"),  # value errors too
+        ("x" * 20 + ": 1\n" + "".join(f"k{i}: 1\n" for i in range(5000)), r"and 4991 more\."),
+    ],
+)
+def test_yaml_values_are_bounded_and_errors_name_the_file(tmp_path, text, match):
+    import time
+
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=match) as e:
+        CompileConfig.resolve(p)
+    assert time.perf_counter() - t < 2.0
+    assert str(p) in str(e.value) and len(str(e.value)) < 1000
+
+
+def test_merge_keys_written_out_still_work(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("<<: {backend: eager}\nbatch: [1, 3]\n")
+    cfg = CompileConfig.resolve(p)
+    assert (cfg.backend, cfg.batch) == ("eager", [1, 3])
+
+
+def test_a_file_over_a_mebibyte_is_refused_unread(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("backend: eager\n" + "#" * (1 << 20))
+    with pytest.raises(ConfigError, match=r"c\.yaml is 1048591 bytes, more than 1048576"):
+        CompileConfig.resolve(p)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    p = tmp_path / "c.yaml"
+    os.mkfifo(p)
+    with pytest.raises(ConfigError, match=r"c\.yaml is not a regular file"):
+        CompileConfig.resolve(p)
+
+
+@pytest.mark.parametrize(
+    "bad,shown",
+    [
+        ({"batch": [1] * 10_000_000}, "batch=[1, 1, 1, 1, 1, 1, 1, 1, ...] must be"),
+        ({"device": "x" * 10_000_000}, "device='xxxxx"),
+        ({"resolution": 10**5000}, "resolution=<16610-bit int> must be"),
+        ({"specialize": [[10**400, 8, 1]]}, "specialize entry [<1329-bit int>, 8, 1]"),
+        ({"specialize": [[8, 8, 1]] * 10_000}, "specialize has 10000 entries, more than 256"),
+        ({"x" * 10_000_000: 1}, "unknown key(s) ['xxxxx"),
+    ],
+)
+def test_messages_show_a_bounded_excerpt_of_the_value(bad, shown):
+    with pytest.raises(ConfigError) as e:
+        CompileConfig.from_dict(bad)
+    msg = str(e.value)
+    assert shown in msg and len(msg) < 600, msg[:600]
+
+
+def test_excerpt_is_bounded_in_length_and_time():
+    import time
+
+    from prx_compile.errors import excerpt
+
+    laughs = ["lol"] * 9
+    for _ in range(8):
+        laughs = [laughs] * 9  # 9**9 leaves, shared
+    t = time.perf_counter()
+    out = [excerpt(v) for v in (laughs, 10**5000, "a" * 10**8, {"a": [1] * 100})]
+    assert time.perf_counter() - t < 0.5
+    assert all(len(s) <= 80 for s in out)
+    assert out[1] == "<16610-bit int>" and out[3] == "{'a': [1, 1, 1, 1, 1, 1, 1, 1, ...]}"
+    assert excerpt("fast") == "'fast'" and excerpt([2, 1]) == "[2, 1]"

@@ -256,3 +256,81 @@ def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
     os.symlink(tmp_path, tmp_path / "o2" / STATUS_DIR)
     with pytest.raises(ConfigError, match="link"):
         _status_root(tmp_path / "o2")
+
+
+# -- issue 26: prompts split on "\n" alone, only regular PNGs, records only from this run ----------
+def test_prompts_file_is_split_on_newlines_alone(tmp_path):
+    from prx_compile.cli import CLIError, read_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_bytes("a\x0cb\nc\x1cd\r\ne\x85f\u2028g\n\n  h  \r\n".encode())
+    assert read_prompts(f) == ["a\x0cb", "c\x1cd", "e\x85f\u2028g", "h"]  # splitlines() makes 8
+    f.write_bytes(b"a cat\n\xff\xfe dog\n")
+    with pytest.raises(CLIError, match=r"p\.txt is not UTF-8 text \(byte 6: b'\\xff\\xfe d'\)") as e:
+        read_prompts(f)
+    assert "\n" not in str(e.value)
+
+
+def test_only_regular_png_files_count_as_images(tmp_path):
+    from PIL import Image
+
+    from prx_compile.generate import _finished
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "000-a.png").mkdir()  # a folder named like an image
+    Image.new("RGB", (4, 4)).save(tmp_path / "real.png")
+    (out / "001-b.png").symlink_to(tmp_path / "real.png")
+    Image.new("RGB", (4, 4)).save(out / "002-c.png")
+    assert _finished(out, ["000-a.png", "001-b.png", "002-c.png"], True, 0.0) == [False, False, True]
+
+    class Pipe:
+        transformer = None
+
+        def __call__(self, **kw):
+            return type("Out", (), {"images": [Image.new("RGB", (4, 4))]})()
+
+    summary = generate_images(lambda device: Pipe(), ["a"], out, steps=1, show_progress=False)
+    assert summary["images"] == 0 and [m["index"] for m in summary["missing"]] == [0]
+    assert "IsADirectoryError" in summary["missing"][0]["reason"] and (out / "000-a.png").is_dir()
+
+
+def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, caplog):
+    from prx_compile.generate import _coordinate, _JobBar
+
+    token = "0123456789abcdef0123456789abcdef"
+    record = {
+        "kind": "rank",
+        "host": "h",
+        "device": "cpu",
+        "written": [0],
+        "skipped": [],
+        "failed": {},
+        "generate_s": 1.0,
+        "images_per_s": 1.0,
+        "generate_start": 1.0,
+        "generate_end": 2.0,
+    }
+    (tmp_path / "rank-0.json").write_text(json.dumps({**record, "rank": 0}))  # forged: no token
+    (tmp_path / "rank-1.json").write_text(
+        json.dumps({**record, "rank": 1, "token": "f" * 32})
+    )  # another run's
+    (tmp_path / "rank-2.json").write_text(json.dumps({**record, "rank": 2, "written": [], "token": token}))
+    with caplog.at_level("WARNING", logger="prx_compile.generate"):
+        records, ended, _ = _coordinate(
+            ["a", "b", "c"],
+            ["000-a.png", "001-b.png", "002-c.png"],
+            tmp_path,
+            tmp_path,
+            3,
+            lambda r: "exited with code 0",
+            _JobBar(3, 0, False),
+            token=token,
+            resume=True,
+            since=0.0,
+        )
+    assert list(records) == [2] and "token" not in records[2]
+    assert ended == {0: "exited with code 0", 1: "exited with code 0"}
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("rank-0.json is not from this run" in m for m in warned) == 1
+    assert sum("rank-1.json is not from this run" in m for m in warned) == 1

@@ -1,6 +1,8 @@
 """LoRA: exact fuse/unfuse/switch on eager and compiled (CPU backends); both file layouts; errors
 leave the weights bit-identical."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -79,8 +81,6 @@ def test_files_in_both_layouts(tmp_path, layout):
 
 
 def test_peft_directory_with_adapter_config(tmp_path):
-    import json
-
     model = make_prx()
     sd = {k.replace("transformer.", "base_model.model."): v for k, v in make_random_lora(model, 4).items()}
     save_file(sd, str(tmp_path / "adapter_model.safetensors"))
@@ -148,6 +148,36 @@ def corrupt(kind, model, tmp_path):
         save_file(sd, str(d / "adapter_model.safetensors"))
         (d / "adapter_config.json").write_text('{"r": 4, "lora_alpha"')
         return d, "adapter_config.json is not valid JSON"
+    if kind == "huge_alpha":
+        sd["transformer.blocks.0.up_proj.alpha"] = torch.tensor(3e38)
+        return sd, r"layer blocks\.0\.up_proj alpha 3e\+38 is beyond \+-100000"
+    if kind == "alpha_over_r":
+        sd["transformer.blocks.0.up_proj.alpha"] = torch.tensor(90000.0)
+        return sd, r"layer blocks\.0\.up_proj: alpha / r = 90000 / 4 = 22500 is beyond \+-10000"
+    if kind == "huge_matrices":  # finite in fp32, the product is not
+        sd[key_a] = torch.full((4, 64), 1e19)
+        sd[key_a.replace("lora_A", "lora_B")] = torch.full((128, 4), 1e19)
+        return (
+            sd,
+            r"LoRA bad, good: layer blocks\.0\.up_proj: the fused weight is not finite in torch\.float32",
+        )
+    if kind.startswith("adapter_config_"):
+        d = tmp_path / kind
+        d.mkdir()
+        save_file(sd, str(d / "adapter_model.safetensors"))
+        alpha, r, match = {
+            "adapter_config_huge_alpha": (
+                1e308,
+                1e-300,
+                r"lora_alpha=1e\+308 must be a positive number up to",
+            ),
+            "adapter_config_tiny_r": (8, 1e-300, r"r=1e-300 must be a positive number, an integer rank"),
+            "adapter_config_big_int_alpha": (10**400, 4, r"lora_alpha=<1329-bit int> must be a positive"),
+            "adapter_config_big_int_r": (8, 10**400, r"r=<1329-bit int> must be a positive number"),
+            "adapter_config_scale": (100000, 1, r"alpha / r = 100000 / 1 = 100000 is beyond"),
+        }[kind]
+        (d / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": alpha}))
+        return d, match
     raise AssertionError(kind)
 
 
@@ -169,6 +199,14 @@ def corrupt(kind, model, tmp_path):
         "integer_matrix",
         "bad_adapter_config",
         "broken_adapter_config",
+        "huge_alpha",
+        "alpha_over_r",
+        "huge_matrices",
+        "adapter_config_huge_alpha",
+        "adapter_config_tiny_r",
+        "adapter_config_big_int_alpha",
+        "adapter_config_big_int_r",
+        "adapter_config_scale",
     ],
 )
 def test_bad_input_is_a_clear_error_and_changes_nothing(kind, tmp_path):
@@ -205,7 +243,10 @@ def test_other_errors_change_nothing():
         (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=True), "scale True is not a finite"),
         (lambda m: load_lora(m, make_random_lora(m, 4), "../b"), "adapter name"),
         (lambda m: set_lora(m, ["a"], [float("inf")]), "scale inf is not a finite"),
-        (lambda m: set_lora(m, "a", "1"), "scale 1 is not a finite"),
+        (lambda m: set_lora(m, "a", "1"), "scale '1' is not a finite"),
+        (lambda m: set_lora(m, "a", 10**400), r"scale <1329-bit int> is not a finite number in"),
+        (lambda m: load_lora(m, make_random_lora(m, 4), "b", scale=10**400), "scale <1329-bit int> is not"),
+        (lambda m: set_lora(m, "a", 1e5), r"scale 100000\.0 is not a finite number in \[-10000, 10000\]"),
     ],
 )
 def test_bad_scales_and_names_change_nothing(call, match):
@@ -263,3 +304,34 @@ def test_a_failing_refit_rolls_the_weights_back(monkeypatch):
         load_lora(ct, make_random_lora(model, 4, seed=6), "bad")
     assert same(weights(model), before) and list(summary(ct)["adapters"]) == ["good"]
     assert len(calls) == 2 and calls[0] == calls[1]  # the restored values were pushed again
+
+
+def test_fused_weights_are_checked_in_the_weight_dtype():
+    """An fp16 weight overflows at 65504: a LoRA finite in fp32 (and accepted by an fp32 model) that
+    makes it infinite is refused naming the layer, at load and at a switch, and nothing changes."""
+    sd = make_random_lora(make_prx(), 4, seed=2)
+    key = "transformer.blocks.0.up_proj.lora_"
+    sd[key + "A.weight"], sd[key + "B.weight"] = torch.full((4, 64), 200.0), torch.full((128, 4), 200.0)
+    fp32 = make_prx()
+    load_lora(fp32, sd, "big")
+    assert float(fp32.blocks[0].up_proj.weight.detach().abs().max()) > 160_000 - 1  # 200 * 200 * 4
+    half = make_prx(dtype=torch.float16)
+    before = weights(half)
+    with pytest.raises(
+        LoRAError, match=r"layer blocks\.0\.up_proj: the fused weight is not finite in torch\.float16"
+    ):
+        load_lora(half, sd, "big")
+    assert same(weights(half), before) and summary(half) is None
+    load_lora(half, sd, "big", scale=0.25)  # 40000: finite in fp16
+    assert bool(torch.isfinite(half.blocks[0].up_proj.weight).all())
+    before = weights(half)
+    with pytest.raises(LoRAError, match=r"LoRA big: layer blocks\.0\.up_proj.*float16 \(scales \[1\.0\]\)"):
+        set_lora(half, "big", 1.0)
+    assert same(weights(half), before) and summary(half)["active"] == {"big": 0.25}
+
+
+def test_fp16_alpha_of_1e7_is_refused():
+    model = make_prx(dtype=torch.float16)
+    sd = make_random_lora(model, 4, alpha=1e7)
+    with pytest.raises(LoRAError, match=r"alpha 1e\+07 is beyond"):
+        load_lora(model, sd, "a")

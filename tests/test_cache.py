@@ -1,0 +1,136 @@
+"""The engine cache trusts only its owner (issue 26): entries of another uid, writable by others, or
+symbolic links are refused with an ArtifactError naming the path; PRX_COMPILE_CACHE_SHARED=1 is the
+documented way to share a cache between users."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from prx_compile import ArtifactError, compile_prx
+from prx_compile.artifact import MANIFEST
+from prx_compile.cache import SHARED_ENV
+from prx_compile.testing import make_prx
+
+from .conftest import prx_inputs
+
+RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1, static=True)
+OTHER_UID = 12345
+
+
+def run(cache):
+    """Compile a tiny PRX with the engine cache ``cache`` and run it once: (compiled, hit?)."""
+    cfg = dict(RANGE, specialize=[[16, 16, 2]], engine_cache_dir=str(cache), backend="eager")
+    model = make_prx()
+    ct = compile_prx(model, **cfg)
+    ct(**prx_inputs(model, h=16, w=16, text=16), return_dict=False)
+    return ct, ct.cache_hits[0]["load_s"] is not None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache holding one entry, and that entry."""
+    monkeypatch.delenv(SHARED_ENV, raising=False)
+    ct, hit = run(tmp_path / "cache")
+    assert not hit
+    return tmp_path / "cache", tmp_path / "cache" / ct.cache_hits[0]["key"]
+
+
+def give_away(path, monkeypatch, fake=False):
+    """Make ``path`` another user's: a real chown as root (as in CI), else (or with ``fake``)
+    os.stat/os.lstat report it so."""
+    if os.geteuid() == 0 and not fake:
+        os.chown(path, OTHER_UID, OTHER_UID, follow_symlinks=False)
+        return
+    real_stat, real_lstat, target = os.stat, os.lstat, os.path.abspath(path)
+
+    def fake(real):
+        def f(p, *a, **kw):
+            st = real(p, *a, **kw)
+            if isinstance(p, (str, os.PathLike)) and os.path.abspath(p) == target:
+                fields = list(st)
+                fields[stat.ST_UID] = OTHER_UID
+                return os.stat_result(fields)
+            return st
+
+        return f
+
+    monkeypatch.setattr(os, "stat", fake(real_stat))
+    monkeypatch.setattr(os, "lstat", fake(real_lstat))
+
+
+def test_a_fresh_cache_is_private_and_hits_even_with_a_group_umask(tmp_path, monkeypatch):
+    monkeypatch.delenv(SHARED_ENV, raising=False)
+    old = os.umask(0o002)
+    try:
+        assert run(tmp_path / "c")[1] is False
+        assert run(tmp_path / "c")[1] is True
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "c").st_mode) == 0o700
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_an_entry_of_another_user_is_refused_naming_it(cache, monkeypatch, fake):
+    root, entry = cache
+    give_away(entry, monkeypatch, fake)
+    with pytest.raises(ArtifactError, match=rf"{entry} belongs to uid {OTHER_UID}, not to you.*chown") as e:
+        run(root)
+    assert "\n" not in str(e.value) and SHARED_ENV in str(e.value)
+
+
+def test_a_file_of_another_user_inside_an_entry_is_refused_not_rebuilt(cache, monkeypatch):
+    from prx_compile.artifact import _chunk_hashes
+
+    root, entry = cache
+    planted = entry / "engine.bin"  # a listed file (a TensorRT entry lists its engines)
+    planted.write_bytes(b"\0" * 100)
+    m = json.loads((entry / MANIFEST).read_text())
+    with open(planted, "rb") as f:
+        m["files"]["engine.bin"] = {"bytes": 100, "sha256": _chunk_hashes(f.fileno())}
+    (entry / MANIFEST).write_text(json.dumps(m))
+    before = sorted((p.name, p.read_bytes()) for p in entry.iterdir())
+    assert run(root)[1] is True  # this user's own: loaded
+    give_away(planted, monkeypatch)
+    with pytest.raises(ArtifactError, match=rf"{planted} belongs to uid {OTHER_UID}"):
+        run(root)
+    assert sorted((p.name, p.read_bytes()) for p in entry.iterdir()) == before  # nothing replaced
+
+
+@pytest.mark.parametrize("what", ["entry", "manifest", "root"])
+def test_writable_by_others_is_refused(cache, what):
+    root, entry = cache
+    path = {"entry": entry, "manifest": entry / MANIFEST, "root": root}[what]
+    os.chmod(path, 0o775 if what != "manifest" else 0o664)
+    with pytest.raises(
+        ArtifactError, match=rf"{path} is writable by group or others \(mode 7?[76]\d4?\).*chmod go-w"
+    ):
+        run(root)
+
+
+def test_a_symlinked_entry_is_never_followed(cache, tmp_path):
+    root, entry = cache
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    (other / entry.name).symlink_to(entry)
+    with pytest.raises(ArtifactError, match=rf"{other / entry.name} is a symbolic link"):
+        run(other)
+
+
+def test_a_shared_cache_is_a_setting(cache, monkeypatch):
+    root, entry = cache
+    give_away(entry, monkeypatch)
+    os.chmod(entry, 0o770)
+    monkeypatch.setenv(SHARED_ENV, "1")
+    assert run(root)[1] is True  # another user's, group-writable: trusted on purpose
+    os.chmod(entry, 0o777)
+    with pytest.raises(ArtifactError, match=rf"{entry} is writable by every user \(mode 777\)"):
+        run(root)
+    os.chmod(entry, 0o700)
+    link = root / "link"
+    link.symlink_to(entry)
+    from prx_compile.cache import check_trusted
+
+    with pytest.raises(ArtifactError, match="is a symbolic link"):
+        check_trusted(link)
