@@ -6,12 +6,16 @@ were built, and (``weights: engine``) which weights changed in place.
     changes(watch.signature, signature(transformer))   # only then: what changed, by name
     watch.changed_weights()  # FQNs whose version counter moved (copy_, load_state_dict)
 
-``moved`` compares three tuples built by C-level passes over the recorded modules' ``_parameters``,
-``_buffers`` and ``_modules`` dicts (no per-tensor Python loop): the keys, the identity of every value
-(a parameter replaced, a submodule swapped, a name added) and every tensor's storage address (a cast,
-a move, ``.data =``). Only when it says so is the full ``Signature`` (names, shapes, dtypes, devices,
-module types and identities) computed and compared. The watch keeps the recorded objects alive until
-the next ``reset``, so an identity it compares can never be reused by a new object.
+``moved`` compares tuples built by C-level passes over the recorded modules' ``_parameters``,
+``_buffers`` and ``_modules`` dicts (no per-tensor Python loop): their sizes and keys (a name added or
+removed), every submodule by identity (one swapped) and every tensor's storage address (a parameter
+replaced, a cast, a move, ``.data =``). Only when it says so is the full ``Signature`` (names, shapes,
+dtypes, devices, module types and identities) computed and compared. The watch keeps the recorded
+objects alive until the next ``reset``, so an identity it compares can never be reused by a new
+object. Measured on a 2-core CPU shared with other jobs: ``moved`` 0.18-0.31 ms per call for the
+1.17 B PRX (303 modules, 188 tensors), 0.035 ms for the tiny one; the version pass (``weights:
+engine`` only) 0.05-0.13 ms. The storage-address pass (0.08-0.14 ms of it) replaces the one CUDA
+graphs already made per step.
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ class ModelWatch:
         """Record the model as it is now."""
         named = list(self.model.named_modules())
         self._dicts = [d for _, m in named for d in (m._parameters, m._buffers, m._modules)]
-        self._tensor_dicts = [d for _, m in named for d in (m._parameters, m._buffers)]
+        self._filled = [d for d in self._dicts if d]  # most are empty (leaf modules): keys of the rest
+        self._module_dicts = [m._modules for _, m in named if m._modules]
+        self._tensor_dicts = [d for _, m in named for d in (m._parameters, m._buffers) if d]
         self._fqns = [
             f"{name}.{k}" if name else k
             for name, m in named
@@ -129,9 +135,12 @@ class ModelWatch:
         return filter(_NOT_NONE, _flat(map(dict.values, self._tensor_dicts)))
 
     def _token(self) -> tuple:
+        # submodules compare by identity (nn.Module has no __eq__); tensors by storage address (a
+        # replaced tensor has a new one too), never with ``==`` (elementwise)
         return (
-            tuple(_flat(self._dicts)),
-            tuple(map(id, _flat(map(dict.values, self._dicts)))),
+            tuple(map(len, self._dicts)),
+            tuple(_flat(self._filled)),
+            tuple(_flat(map(dict.values, self._module_dicts))),
             tuple(map(torch.Tensor.data_ptr, self._tensors())),
         )
 
