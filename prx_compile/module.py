@@ -20,7 +20,7 @@ from . import fp8, progress
 from .backends import Backend, make_backend
 from .config import DTYPES, CompileConfig
 from .cudagraphs import CUDAGraphRunner
-from .errors import ConfigError, ShapeOutOfRangeError
+from .errors import ConfigError, LoRAError, ShapeOutOfRangeError
 from .export import ShapeRange, example_inputs
 from .watch import ModelWatch, changes, signature
 
@@ -501,9 +501,20 @@ class CompiledTransformer(torch.nn.Module):
         if self.needs_refit:
             names = self._watch.changed_weights()
             if names:
-                self.weights_changed(names)
-                return {"refit": names}
+                return self._refit(names)
         return {}
+
+    def _refit(self, names: list[str]) -> dict[str, Any]:
+        """``weights_changed`` for edits made outside ``load_lora``; where the engines cannot take them
+        (weights TensorRT folded beyond tracing), the sets are built again instead, as MTTM does."""
+        try:
+            self.weights_changed(names)
+            return {"refit": names}
+        except LoRAError:
+            why = f"{len(names)} weight(s) the engines cannot refit changed ({', '.join(names[:3])})"
+            self._rebuild(why, [b for b in self.backends if b.is_built])
+            self._watch.synced()
+            return {"rebuild": [why]}
 
     def _structure_changed(self) -> dict[str, Any]:
         """The module tree or a tensor's storage changed: rebuild, re-bind or refit, or refuse."""
@@ -547,8 +558,7 @@ class CompiledTransformer(torch.nn.Module):
                 set(diff.replaced) | {n for n, v in versions.items() if old_versions.get(n, v) != v}
             )
             if names:
-                self.weights_changed(names)
-                report["refit"] = names
+                report.update(self._refit(names))
         return report
 
     def _rebuild(self, why: str, built: list[Backend]) -> None:

@@ -153,6 +153,26 @@ def test_weights_engine_refits_after_edits_outside_load_lora(monkeypatch):
     assert ct.refit_gm() == {}
 
 
+def test_an_edit_the_engines_cannot_refit_rebuilds_them(monkeypatch, caplog):
+    from prx_compile import LoRAError
+    from prx_compile.backends.pytorch import TorchBackend
+
+    def refuse(self, names):
+        raise LoRAError("parameters cannot be traced to engine weights")
+
+    monkeypatch.setattr(TorchBackend, "needs_refit", property(lambda self: True))
+    monkeypatch.setattr(TorchBackend, "weights_changed", refuse)
+    model = make_prx()
+    ct = compiled(model, weights="engine")
+    step(ct, model)
+    with torch.no_grad():
+        model.final_layer.linear.weight.mul_(2.0)
+    with caplog.at_level(logging.WARNING, logger="prx_compile.module"):
+        close(*step(ct, model))
+    assert ct.builds == 2
+    assert "the engines cannot refit changed" in " ".join(r.message for r in caplog.records)
+
+
 # -- structure changes ----------------------------------------------------------------------------
 def test_a_swapped_submodule_of_the_same_shape_is_read():
     model = make_prx()
