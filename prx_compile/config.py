@@ -32,6 +32,24 @@ RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
 #: The most ``specialize`` entries (each is an engine set of its own).
 MAX_SPECIALIZE = 256
+#: Torch-TensorRT / MutableTorchTensorRTModule settings and the CompileConfig key that covers each
+#: (``optimization_level`` and ``device`` have the same names and are accepted as they are).
+MTTM_SETTINGS = {
+    "min_block_size": "attention and range_linears (which ops run in PyTorch between engines)",
+    "torch_executed_ops": "attention and range_linears (which ops run in PyTorch between engines)",
+    "require_full_compilation": "attention='tensorrt' with range_linears='tensorrt' (the fewest PyTorch ops)",
+    "use_python_runtime": "cuda_graphs (always the Python runtime, for refit and the runtime cache)",
+    "immutable_weights": "weights ('inputs': engines read the parameters; 'engine': refittable engines)",
+    "enabled_precisions": "dtype and precision ('fp8' for the block linears)",
+    "use_explicit_typing": "dtype and precision (always explicit typing)",
+    "truncate_double": "dtype (float64 is always truncated)",
+    "timing_cache_path": "engine_cache_dir (built engine sets, reused across processes)",
+    "cache_built_engines": "engine_cache_dir (built engine sets, reused across processes)",
+    "reuse_cached_engines": "engine_cache_dir (built engine sets, reused across processes)",
+    "hardware_compatible": "device (artifacts record their GPU; load_compiled(rebuild=True) on another)",
+    "version_compatible": "device (artifacts record their GPU; load_compiled(rebuild=True) on another)",
+}
+
 #: Settings an engine depends on (besides the model and its shapes): a change means new engines, and
 #: the engine cache and artifacts key on them. Everything else is a runtime switch.
 ENGINE_KEYS = (
@@ -253,6 +271,12 @@ class CompileConfig:
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
         names = [f.name for f in fields(cls)]
         unknown = [k for k in data if k not in names]
+        mttm = [k for k in unknown if isinstance(k, str) and k in MTTM_SETTINGS]
+        if mttm:
+            raise ConfigError(
+                f"{source}: {mttm[0]} is a Torch-TensorRT (MTTM) setting, which compile_prx does not take.",
+                f"the CompileConfig key that covers it: {MTTM_SETTINGS[mttm[0]]}.",
+            )
         if unknown:
             shown = ", ".join(sorted(excerpt(k, 40) for k in unknown[:10]))
             more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""

@@ -60,11 +60,20 @@ class FP8Linear(torch.nn.Linear):
         return module
 
     def requantize(self) -> None:
-        """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight``, in place."""
+        """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight``, in place (engines and CUDA graphs
+        keep reading the same buffers); as new buffers when the module was cast or reshaped, which
+        rebuilds its engine sets anyway."""
         q, scale = quantize_weight(self.weight)
-        with torch.no_grad():
-            self.weight_fp8.copy_(q)
-            self.weight_scale.copy_(scale)
+        same = all(
+            b.dtype == v.dtype and b.shape == v.shape and b.device == v.device
+            for b, v in ((self.weight_fp8, q), (self.weight_scale, scale))
+        )
+        if same:
+            with torch.no_grad():
+                self.weight_fp8.copy_(q)
+                self.weight_scale.copy_(scale)
+        else:
+            self.weight_fp8, self.weight_scale = q, scale
         self.quantized_version = self.weight._version
 
     def refresh(self) -> None:

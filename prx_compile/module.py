@@ -9,6 +9,7 @@ its own (``on_shape_miss: build``, with a warning) or a ``ShapeOutOfRangeError``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -17,16 +18,44 @@ import torch
 
 from . import fp8, progress
 from .backends import Backend, make_backend
-from .config import CompileConfig
+from .config import DTYPES, CompileConfig
 from .cudagraphs import CUDAGraphRunner
-from .errors import ConfigError, ShapeOutOfRangeError
+from .errors import ConfigError, LoRAError, ShapeOutOfRangeError
 from .export import ShapeRange, example_inputs
+from .watch import ModelWatch, changes, signature
 
 logger = logging.getLogger(__name__)
 
 
+def _delegated(name: str):
+    """A method that calls the transformer's ``name`` (the compiled module's nn.Module view)."""
+
+    def method(self, *args, **kwargs):
+        return getattr(self.transformer, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"The transformer's ``{name}`` (the compiled module holds no tensors of its own)."
+    return method
+
+
 class CompiledTransformer(torch.nn.Module):
-    """A compiled PRXTransformer2DModel with the same call signature.
+    """A compiled PRXTransformer2DModel with the same call signature and the transformer's module view.
+
+    One copy of the weights: the transformer is held outside ``_modules`` (registering it would make
+    every state-dict key ``transformer.*`` and let module-wide operations reach it twice), and the
+    ``nn.Module`` view is the transformer's: ``parameters``, ``named_parameters``, ``buffers``,
+    ``state_dict``, ``load_state_dict`` (strict semantics and return value its own), ``children``,
+    ``modules``, ``named_modules``, ``apply``, ``train``/``eval`` delegate to it, and writing an
+    attribute the compiled module does not own sets it on the transformer. Whatever changes the
+    transformer, through either object, is followed at the next call (``_follow``): weights changed in
+    place are read live (``weights: inputs``), refit (``weights: engine``) or re-quantised (fp8); a
+    changed structure (names, shapes, dtypes, module types) rebuilds the engine sets with a warning;
+    a swapped submodule of the same structure is re-bound. ``.to(dtype)``, ``.half()``, ``.float()``,
+    ``.bfloat16()`` cast the transformer, so the engine sets are rebuilt for the new dtype.
+
+    Made for a diffusers model, the object's class is a subclass of both this class and the
+    transformer's (named like it), so diffusers' ``register_modules`` records the transformer's
+    library and class in ``model_index.json`` and ``pipe.save_pretrained`` saves the transformer.
 
     Attributes:
         transformer: the original module; its parameters are the one copy of the weights.
@@ -57,15 +86,15 @@ class CompiledTransformer(torch.nn.Module):
         self.backends: list[Backend] = backends
         self._graphs: dict[int, CUDAGraphRunner] = {}
         self._pool = None
-        self._weights_at_capture: tuple | None = None
-        self._slots = [
-            (m, n)
-            for m in transformer.modules()
-            for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
-        ]
+        self._watch = ModelWatch(transformer)  # what the engine sets were built for (``_follow``)
+        self._rebuilding: dict[int, str] = {}  # id(engine set) -> why it is built again
+        self._moved_warned = False
         self.builds = 0
         self.cache_hits: list[dict[str, Any]] = []
         self.load_s: float | None = None
+        if type(self) is CompiledTransformer and isinstance(transformer, _model_mixin()):
+            self.__class__ = _compiled_class(type(transformer))  # what diffusers saves (save_pretrained)
+        self._ready = True  # from here on, attributes it does not own are the transformer's
 
     def _precision(self, transformer: torch.nn.Module, config: CompileConfig) -> list[fp8.FP8Linear]:
         """Apply ``precision`` (checked first, so a refused config leaves the model as it was);
@@ -119,17 +148,118 @@ class CompiledTransformer(torch.nn.Module):
                 raise
             return getattr(transformer, name)
 
+    def _owns(self, name: str) -> bool:
+        """Attributes of the compiled module itself: its own state, its class's names (``forward``,
+        which accelerate's hooks replace), and private names the transformer does not have (such as
+        accelerate's ``_hf_hook``). Every other attribute write goes to the transformer."""
+        d = self.__dict__
+        return (
+            not d.get("_ready")
+            or name in d
+            or hasattr(CompiledTransformer, name)
+            or (name.startswith("_") and not hasattr(d["transformer"], name))
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_hf_hook":
+            _refuse_sequential_offload(value)
+        if self._owns(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self.transformer, name, value)  # noticed at the next call (``_follow``)
+
+    def __delattr__(self, name: str) -> None:
+        if self._owns(name):
+            super().__delattr__(name)
+        else:
+            delattr(self.transformer, name)
+
+    def _get_name(self) -> str:  # the repr's name (the class is named like the transformer's)
+        return "CompiledTransformer"
+
+    # -- the nn.Module view: the transformer's --------------------------------------------------
+    parameters = _delegated("parameters")
+    named_parameters = _delegated("named_parameters")
+    buffers = _delegated("buffers")
+    named_buffers = _delegated("named_buffers")
+    children = _delegated("children")
+    named_children = _delegated("named_children")
+    modules = _delegated("modules")
+    named_modules = _delegated("named_modules")
+    get_submodule = _delegated("get_submodule")
+    get_parameter = _delegated("get_parameter")
+    get_buffer = _delegated("get_buffer")
+    state_dict = _delegated("state_dict")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The transformer's ``load_state_dict`` (same keys, strict semantics and return value); the
+        engine sets follow at the next call (refit with ``weights: engine``; a rebuild if shapes or
+        dtypes changed)."""
+        return self.transformer.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def apply(self, fn):
+        """``fn`` on every module of the transformer (changes are followed at the next call)."""
+        self.transformer.apply(fn)
+        return self
+
+    def train(self, mode: bool = True):
+        self.transformer.train(mode)
+        super().__setattr__("training", mode)
+        return self
+
+    def save_pretrained(self, save_directory, safe_serialization: bool = True, variant=None, **kwargs):
+        """The transformer's ``save_pretrained``: a diffusers ``PRXTransformer2DModel`` folder (what
+        ``pipe.save_pretrained`` writes as ``transformer/``). With a LoRA loaded, the weights saved are
+        the current ones, the LoRA merged at its scales (as the images are); ``save_compiled`` keeps the
+        adapters apart instead."""
+        lora = self.transformer.__dict__.get("_prx_lora")
+        if lora is not None and lora.active:
+            logger.warning(
+                "saving the transformer with LoRA %s merged into its weights; unload_lora first to save "
+                "the base weights, or use save_compiled to keep the adapters apart.",
+                ", ".join(f"{n!r} ({s:g})" for n, s in sorted(lora.active.items())),
+            )
+        kwargs.update(safe_serialization=safe_serialization, variant=variant)
+        return self.transformer.save_pretrained(save_directory, **kwargs)
+
+    # -- dtype and device -----------------------------------------------------------------------
     def to(self, *args, **kwargs):
-        """Moving a compiled module is a no-op (engines live on the device they were built on)."""
+        """``.to(dtype)`` casts the transformer: the engine sets are rebuilt for that dtype at their next
+        call, with a warning (as ``pipe.to(dtype)`` does to every component, so the pipeline is never
+        left half cast). A device move is ignored with a warning: engines live where they were built."""
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None and dtype != self.dtype:
-            raise ConfigError(
-                f"cannot cast a compiled transformer to {dtype}: it was built for {self.dtype}.",
-                "compile again from a transformer in that dtype.",
-            )
+            self.transformer.to(dtype=dtype)
         if device is not None and torch.device(device).type != self._device.type:
-            logger.warning("ignoring .to(%s): the compiled transformer stays on %s", device, self._device)
+            log = logger.info if self._moved_warned else logger.warning
+            log("ignoring .to(%s): the compiled transformer stays on %s", device, self._device)
+            self._moved_warned = True
         return self
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def cuda(self, device=None):
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device))
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def _apply(self, fn, recurse: bool = True):
+        raise ConfigError(
+            "a compiled transformer cannot apply an arbitrary tensor conversion (.type(), .to_empty(), "
+            ".share_memory(), ...).",
+            "use .to(dtype), or convert compiled.transformer and compile it again.",
+        )
 
     # -- build ----------------------------------------------------------------------------------
     def build(self, example: dict[str, torch.Tensor] | None = None) -> CompiledTransformer:
@@ -137,6 +267,7 @@ class CompiledTransformer(torch.nn.Module):
         an artifact (which otherwise loads at its first call); or, with ``example`` (PRX forward
         kwargs), only the set that call would run."""
         with torch.no_grad():
+            self._follow()
             if example is not None:
                 inputs = self._normalise(**example)
                 self._check(inputs)
@@ -157,6 +288,7 @@ class CompiledTransformer(torch.nn.Module):
 
     def _build_backend(self, index: int) -> Backend:
         backend = self.backends[index]
+        why = self._rebuilding.pop(id(backend), None)
         example = self._example(backend.shapes)
         logger.info("building engine set %d/%d: %s", index + 1, len(self.backends), backend.shapes.describe())
         t0 = time.perf_counter()
@@ -173,6 +305,13 @@ class CompiledTransformer(torch.nn.Module):
                 backend.build(example)
                 self.builds += 1
         logger.info("engine set ready in %.1f s: %s", time.perf_counter() - t0, backend.shapes.describe())
+        if why:
+            logger.warning(
+                "rebuilt engine set %s in %.1f s: the transformer changed (%s).",
+                backend.shapes.describe(),
+                time.perf_counter() - t0,
+                why,
+            )
         return backend
 
     # -- the step -------------------------------------------------------------------------------
@@ -318,11 +457,6 @@ class CompiledTransformer(torch.nn.Module):
             module.refresh()
         if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
             return backend(**inputs)
-        weights = tuple(getattr(m, n).data_ptr() for m, n in self._slots)
-        if weights != self._weights_at_capture:  # parameters were replaced, not updated in place
-            for runner in self._graphs.values():
-                runner.reset()
-            self._weights_at_capture = weights
         runner = self._graphs.get(id(backend))
         if runner is None:
             if self._pool is None:
@@ -353,6 +487,7 @@ class CompiledTransformer(torch.nn.Module):
                 "unload them and use prx_compile.load_lora, which updates the weights the engines read.",
             )
         with torch.no_grad():
+            self._follow()
             inputs = self._normalise(hidden_states, timestep, encoder_hidden_states, attention_mask)
             self._check(inputs)
             out = self._run(self._backend_for(inputs), inputs)
@@ -361,6 +496,164 @@ class CompiledTransformer(torch.nn.Module):
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+    # -- following the transformer --------------------------------------------------------------
+    def _follow(self) -> dict[str, Any]:
+        """Bring the engine sets up to date with the transformer, before a call: cheap when nothing
+        changed (``ModelWatch.moved``; with ``weights: engine`` also one pass over version counters).
+        Returns what was done: ``rebuild`` (reasons), ``rebound``, ``refit`` (names)."""
+        if self._watch.moved():
+            return self._structure_changed()
+        if self.needs_refit:
+            names = self._watch.changed_weights()
+            if names:
+                return self._refit(names)
+        return {}
+
+    def _refit(self, names: list[str]) -> dict[str, Any]:
+        """``weights_changed`` for edits made outside ``load_lora``; where the engines cannot take them
+        (weights TensorRT folded beyond tracing), the sets are built again instead, as MTTM does."""
+        try:
+            self.weights_changed(names)
+            return {"refit": names}
+        except LoRAError:
+            why = f"{len(names)} weight(s) the engines cannot refit changed ({', '.join(names[:3])})"
+            self._rebuild(why, [b for b in self.backends if b.is_built])
+            self._watch.synced()
+            return {"rebuild": [why]}
+
+    def _structure_changed(self) -> dict[str, Any]:
+        """The module tree or a tensor's storage changed: rebuild, re-bind or refit, or refuse."""
+        transformer, watch = self.transformer, self._watch
+        if self._fp8:  # a swapped block linear becomes FP8 again; a cast one gets its FP8 copies back
+            fp8.install(transformer)
+            self._fp8 = [m for m in transformer.modules() if isinstance(m, fp8.FP8Linear)]
+            for module in self._fp8:
+                module.requantize()
+        new = signature(transformer)
+        diff = changes(watch.signature, new)
+        moved = sorted(diff.devices - {self._device.type})
+        if moved:
+            raise ConfigError(
+                f"the transformer's weights were moved to {moved[0]}; the compiled transformer runs on "
+                f"{self._device}.",
+                f"move them back: compiled.transformer.to({str(self._device)!r}).",
+            )
+        dtype = self.dtype
+        if self.compile_config.backend == "tensorrt" and dtype not in DTYPES.values():
+            raise ConfigError(
+                f"the transformer was cast to {dtype}, which TensorRT engines cannot run.",
+                "cast it to torch.bfloat16, torch.float16 or torch.float32 (pipe.to(dtype) does too).",
+            )
+        old_versions = watch.version_map()
+        for runner in self._graphs.values():  # storage may have moved under captured graphs
+            runner.reset()
+        built = [b for b in self.backends if b.is_built]
+        if diff.swapped and not diff.structure:
+            stuck = [b for b in built if not b.rebind()]
+            if stuck:
+                diff.structure.append(f"{', '.join(diff.swapped[:3])} swapped (the engines hold its weights)")
+        report: dict[str, Any] = {"rebound": diff.swapped} if diff.swapped else {}
+        if diff.structure:
+            self._rebuild("; ".join(diff.structure), built)
+            report = {"rebuild": diff.structure}
+        watch.reset()
+        if not diff.structure and self.needs_refit:
+            versions = watch.version_map()
+            names = sorted(
+                set(diff.replaced) | {n for n, v in versions.items() if old_versions.get(n, v) != v}
+            )
+            if names:
+                report.update(self._refit(names))
+        return report
+
+    def _rebuild(self, why: str, built: list[Backend]) -> None:
+        """Replace every engine set by an unbuilt one over the same shapes (built again at its next call)."""
+        cfg, dtype = self.compile_config, self.dtype
+        if cfg.dtype is not None and cfg.torch_dtype() != dtype:
+            names = {v: k for k, v in DTYPES.items()}
+            self.compile_config = cfg = cfg.replace(dtype=names.get(dtype))
+        self._graphs.clear()
+        fresh = [make_backend(self.transformer, cfg, b.shapes) for b in self.backends]
+        pending = self._rebuilding  # sets changed before and not built again yet keep their reason
+        self._rebuilding = {
+            id(new): why if old.is_built else pending[id(old)]
+            for new, old in zip(fresh, self.backends, strict=True)
+            if old.is_built or id(old) in pending
+        }
+        self.backends = fresh
+        if built:
+            logger.warning(
+                "the transformer changed since its engines were built (%s): %d engine set(s) are built "
+                "again at their next call.",
+                why,
+                len(built),
+            )
+
+    def refit_gm(self) -> dict[str, Any]:
+        """MTTM's ``refit_gm``: bring every engine set up to date with the transformer now, rather than
+        at the next call (refit, re-bind or mark for rebuild, as a call would). Returns what was done."""
+        with torch.no_grad():
+            return self._follow()
+
+    def set_expected_dynamic_shape_range(
+        self, args_dynamic_shape: tuple = (), kwargs_dynamic_shape: dict | None = None
+    ) -> ShapeRange:
+        """MTTM's ``set_expected_dynamic_shape_range``: the range engine set covers these axes.
+
+        Each entry maps an axis index to a ``torch.export.Dim`` (anything with int ``min``/``max``), by
+        forward position in ``args_dynamic_shape`` (hidden_states, timestep, encoder_hidden_states,
+        attention_mask) or by name in ``kwargs_dynamic_shape``: ``hidden_states`` 0 batch, 2 latent
+        height, 3 latent width; ``encoder_hidden_states`` and ``attention_mask`` 0 batch, 1 text tokens;
+        ``timestep`` 0 batch. Axes not named keep the current range. The range set is replaced (built
+        at its first call); the static sets stay. Returns the new range."""
+        from .export import ACTIVATIONS
+
+        spec = dict(zip(ACTIVATIONS, args_dynamic_shape, strict=False))
+        spec.update(kwargs_dynamic_shape or {})
+        axes = {
+            "hidden_states": {0: "batch", 2: "height", 3: "width"},
+            "timestep": {0: "batch"},
+            "encoder_hidden_states": {0: "batch", 1: "text"},
+            "attention_mask": {0: "batch", 1: "text"},
+        }
+        base = self.shapes
+        bounds: dict[str, tuple[int, int]] = {}
+        for arg, dims in spec.items():
+            if arg not in axes or not isinstance(dims, dict):
+                raise ConfigError(
+                    f"set_expected_dynamic_shape_range: {arg!r} is not an input with dynamic axes.",
+                    f"map axis -> torch.export.Dim for {sorted(axes)}.",
+                )
+            for axis, dim in dims.items():
+                key = axes[arg].get(axis)
+                lo, hi = getattr(dim, "min", None), getattr(dim, "max", None)
+                if key is None or not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                    raise ConfigError(
+                        f"set_expected_dynamic_shape_range: {arg} axis {axis}: {dim!r} is not a dynamic "
+                        f"axis with int min/max (dynamic axes of {arg}: {axes[arg]}).",
+                        "e.g. {'hidden_states': {0: Dim('batch', min=1, max=4)}}.",
+                    )
+                if bounds.setdefault(key, (lo, hi)) != (lo, hi):
+                    raise ConfigError(f"set_expected_dynamic_shape_range: two different ranges for {key}.")
+        m = self.config.patch_size
+        odd = [k for k in ("height", "width") if k in bounds and any(v % m for v in bounds[k])]
+        if odd:
+            raise ConfigError(
+                f"set_expected_dynamic_shape_range: latent {odd[0]} {list(bounds[odd[0]])} must be "
+                f"multiples of the patch size {m}."
+            )
+        shapes = ShapeRange(
+            *(bounds.get(k, getattr(base, k)) for k in ("batch", "height", "width", "text")), multiple=m
+        )
+        dropped = [b for b in self.backends if not b.shapes.is_static()]
+        if any(b.is_built for b in dropped):
+            logger.warning("dropping the built range engine set(s) for %s", shapes.describe())
+        for b in dropped:
+            self._graphs.pop(id(b), None)
+        self.backends = [b for b in self.backends if b.shapes.is_static()]
+        self.backends.append(make_backend(self.transformer, self.compile_config, shapes))
+        return shapes
 
     # -- weights --------------------------------------------------------------------------------
     @property
@@ -381,6 +674,7 @@ class CompiledTransformer(torch.nn.Module):
             total["engines_refit"] += report.get("engines_refit", 0)
             if not report.get("graphs_valid", True) and id(backend) in self._graphs:
                 self._graphs[id(backend)].reset()
+        self._watch.synced(names)
         return total
 
     def report(self) -> dict[str, Any]:
@@ -417,6 +711,40 @@ class CompiledTransformer(torch.nn.Module):
         )
 
 
+def _model_mixin() -> type:
+    from diffusers import ModelMixin
+
+    return ModelMixin
+
+
+@functools.cache
+def _compiled_class(model_class: type) -> type:
+    """``CompiledTransformer`` as a subclass of ``model_class`` too, named like it and in its module:
+    diffusers reads a component's library and class from ``__module__`` and ``__class__.__name__``
+    (``_fetch_class_library_tuple``) and saves a component whose class is a ``ModelMixin``, through its
+    ``save_pretrained`` (ours: the transformer's). The methods of this class come first."""
+    return type(
+        model_class.__name__,
+        (CompiledTransformer, model_class),
+        {
+            "__module__": model_class.__module__,
+            "__qualname__": f"CompiledTransformer[{model_class.__name__}]",
+        },
+    )
+
+
+def _refuse_sequential_offload(hook: Any) -> None:
+    """accelerate's ``cpu_offload`` (``enable_sequential_cpu_offload``) moves each layer's weights
+    to the device at its call: engines never call the layers. Model offload (``CpuOffload``) is fine."""
+    hooks = getattr(hook, "hooks", (hook,))
+    if any(type(h).__name__ == "AlignDevicesHook" for h in hooks):
+        raise ConfigError(
+            "enable_sequential_cpu_offload cannot offload a compiled transformer: its engines read the "
+            "weights on the GPU and never call the layers that would load them.",
+            "use pipe.enable_model_cpu_offload() (the compiled transformer stays on the GPU), or none.",
+        )
+
+
 def compile_prx(
     transformer: torch.nn.Module,
     *,
@@ -438,6 +766,10 @@ def compile_prx(
         ConfigError: unknown key or bad value; dtype mismatch.
         BackendUnavailableError: backend="tensorrt" without Torch-TensorRT or a GPU.
     """
+    if isinstance(transformer, CompiledTransformer):
+        raise ConfigError(
+            "this transformer is compiled already.", "pass compiled.transformer to compile it again."
+        )
     if not isinstance(transformer, torch.nn.Module) or not hasattr(transformer, "config"):
         raise ConfigError(
             f"compile_prx takes a PRXTransformer2DModel, got {type(transformer).__name__}.",

@@ -65,6 +65,12 @@ class Backend(abc.ABC):
         "graphs_valid": whether CUDA graphs captured before stay valid (no new engine memory)."""
         return {"refit_s": 0.0, "graphs_valid": True}
 
+    def rebind(self) -> bool:
+        """Read the weights from the model's current submodules after some were swapped for others of
+        the same structure (names, shapes, dtypes, types). False when this set cannot (it holds the old
+        modules' weights) and must be built again."""
+        return False
+
     @property
     def needs_refit(self) -> bool:
         """True when weight changes must be pushed into compiled copies (and can fail)."""

@@ -47,6 +47,9 @@ class TorchBackend(Backend):
             kwargs["weights"] = [params[n] for n in self.weight_names]
         return self.fn(**kwargs)
 
+    def rebind(self) -> bool:
+        return getattr(self, "weight_names", None) is not None  # weights: inputs reads them at each call
+
     def report(self) -> dict[str, Any]:
         ops: dict[str, int] = {}
         for node in self.graph_module.graph.nodes:

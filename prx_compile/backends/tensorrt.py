@@ -152,6 +152,12 @@ class TensorRTBackend(Backend):
             mod, _, attr = fqn.rpartition(".")
             self._slots.append((fqn, modules[mod], attr))
 
+    def rebind(self) -> bool:
+        if self.config.weights == "engine":  # the engines hold the old modules' weights
+            return False
+        self._bind()
+        return True
+
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         self.load()
         params = {fqn: getattr(m, a) for fqn, m, a in self._slots}

@@ -1,0 +1,173 @@
+"""What a ``CompiledTransformer`` checks at each call: did the transformer change since its engine sets
+were built, and (``weights: engine``) which weights changed in place.
+
+    watch = ModelWatch(transformer)
+    watch.moved()            # cheap, every call: the module tree or a tensor's storage changed
+    changes(watch.signature, signature(transformer))   # only then: what changed, by name
+    watch.changed_weights()  # FQNs whose version counter moved (copy_, load_state_dict)
+
+``moved`` compares tuples built by C-level passes over the recorded modules' ``_parameters``,
+``_buffers`` and ``_modules`` dicts (no per-tensor Python loop): their sizes and keys (a name added or
+removed), every submodule by identity (one swapped) and every tensor's storage address (a parameter
+replaced, a cast, a move, ``.data =``). Only when it says so is the full ``Signature`` (names, shapes,
+dtypes, devices, module types and identities) computed and compared. The watch keeps the recorded
+objects alive until the next ``reset``, so an identity it compares can never be reused by a new
+object. Measured on a 2-core CPU shared with other jobs: ``moved`` 0.18-0.31 ms per call for the
+1.17 B PRX (303 modules, 188 tensors), 0.035 ms for the tiny one; the version pass (``weights:
+engine`` only) 0.05-0.13 ms. The storage-address pass (0.08-0.14 ms of it) replaces the one CUDA
+graphs already made per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from .export import weight_tensors
+
+_NOT_NONE = functools.partial(operator.is_not, None)
+_VERSION = operator.attrgetter("_version")
+_flat = itertools.chain.from_iterable
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The structure engines depend on: tensors by FQN -> (shape, dtype, device type, identity);
+    modules by name -> (type, identity)."""
+
+    tensors: dict[str, tuple]
+    modules: dict[str, tuple[type, int]]
+
+
+def signature(model: torch.nn.Module) -> Signature:
+    tensors = {n: (tuple(t.shape), t.dtype, t.device.type, id(t)) for n, t in weight_tensors(model).items()}
+    return Signature(tensors, {n: (type(m), id(m)) for n, m in model.named_modules()})
+
+
+@dataclass
+class Changes:
+    """What differs between two signatures. ``structure``: what engines were built for (names, shapes,
+    dtypes, devices, module types), one line per kind; ``swapped``: submodules replaced by others of the
+    same type and structure; ``replaced``: tensors replaced by others of the same shape and dtype."""
+
+    structure: list[str] = field(default_factory=list)
+    swapped: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    devices: set[str] = field(default_factory=set)
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def changes(old: Signature, new: Signature) -> Changes:
+    out = Changes()
+    added = [n for n in new.tensors if n not in old.tensors]
+    removed = [n for n in old.tensors if n not in new.tensors]
+    if added:
+        out.structure.append(f"new tensors {_some(added)}")
+    if removed:
+        out.structure.append(f"tensors removed: {_some(removed)}")
+    shapes, casts = [], {}
+    for n, (shape, dtype, device, ident) in new.tensors.items():
+        if n not in old.tensors:
+            continue
+        oshape, odtype, odevice, oident = old.tensors[n]
+        if shape != oshape:
+            shapes.append(f"{n} {list(oshape)} -> {list(shape)}")
+        if dtype != odtype:
+            casts.setdefault((odtype, dtype), []).append(n)
+        if device != odevice:
+            out.devices.add(device)
+        if ident != oident and (shape, dtype) == (oshape, odtype):
+            out.replaced.append(n)
+    if shapes:
+        out.structure.append(f"shapes {_some(shapes)}")
+    for (a, b), names in casts.items():
+        out.structure.append(f"{len(names)} tensor(s) {a} -> {b} ({_some(names, 2)})")
+    retyped, swapped = [], []
+    for n, (cls, ident) in new.modules.items():
+        if n in old.modules and old.modules[n][0] is not cls:
+            retyped.append(f"{n or 'the transformer'}: {old.modules[n][0].__name__} -> {cls.__name__}")
+        elif n in old.modules and old.modules[n][1] != ident:
+            swapped.append(n)
+    if retyped:
+        out.structure.append(f"modules {_some(retyped)}")
+    gone = [n for n in old.modules if n not in new.modules]
+    if gone and not removed:
+        out.structure.append(f"modules removed: {_some(gone)}")
+    # a swapped module's own submodules are new objects too: name only the outermost
+    out.swapped = [n for n in swapped if not any(n.startswith(p + ".") for p in swapped if p != n)]
+    return out
+
+
+class ModelWatch:
+    """The transformer as its engine sets last saw it (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        """Record the model as it is now."""
+        named = list(self.model.named_modules())
+        self._dicts = [d for _, m in named for d in (m._parameters, m._buffers, m._modules)]
+        self._filled = [d for d in self._dicts if d]  # most are empty (leaf modules): keys of the rest
+        self._module_dicts = [m._modules for _, m in named if m._modules]
+        self._tensor_dicts = [d for _, m in named for d in (m._parameters, m._buffers) if d]
+        self._fqns = [
+            f"{name}.{k}" if name else k
+            for name, m in named
+            for d in (m._parameters, m._buffers)
+            for k, v in d.items()
+            if v is not None
+        ]
+        self._held = tuple(_flat(map(dict.values, self._dicts)))  # keeps every compared id unique
+        self.token = self._token()
+        self.signature = signature(self.model)
+        self.versions = self._versions()
+
+    def _tensors(self):
+        return filter(_NOT_NONE, _flat(map(dict.values, self._tensor_dicts)))
+
+    def _token(self) -> tuple:
+        # submodules compare by identity (nn.Module has no __eq__); tensors by storage address (a
+        # replaced tensor has a new one too), never with ``==`` (elementwise)
+        return (
+            tuple(map(len, self._dicts)),
+            tuple(_flat(self._filled)),
+            tuple(_flat(map(dict.values, self._module_dicts))),
+            tuple(map(torch.Tensor.data_ptr, self._tensors())),
+        )
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(map(_VERSION, self._tensors()))
+
+    def moved(self) -> bool:
+        """Whether the module tree or any tensor's storage changed since ``reset``."""
+        return self._token() != self.token
+
+    def version_map(self) -> dict[str, int]:
+        return dict(zip(self._fqns, self.versions, strict=True))
+
+    def changed_weights(self) -> list[str]:
+        """FQNs changed in place since they were last synced (``synced``)."""
+        now = self._versions()
+        if now == self.versions:
+            return []
+        return [n for n, a, b in zip(self._fqns, self.versions, now, strict=True) if a != b]
+
+    def synced(self, names: list[str] | set[str] | None = None) -> None:
+        """These FQNs (None: all) are now up to date in every compiled copy."""
+        now = self._versions()
+        if names is None:
+            self.versions = now
+            return
+        wanted = set(names)
+        self.versions = tuple(
+            b if n in wanted else a for n, a, b in zip(self._fqns, self.versions, now, strict=True)
+        )
