@@ -205,7 +205,7 @@ def _valid_pid(pid: Any) -> bool:
     return isinstance(pid, int) and not isinstance(pid, bool) and pid > 1
 
 
-_OPTIONAL_NUMBERS = ("setup_s", "engine_builds", "engine_cache_loads")
+_OPTIONAL_NUMBERS = ("setup_s", "engine_builds", "engine_cache_loads", "torch_threads")
 
 
 def _valid_record(rec: dict[str, Any], rank: int) -> bool:
@@ -398,6 +398,7 @@ def _run_share(
         "images_per_s": 0.0,
         "engine_builds": None,
         "engine_cache_loads": None,
+        "torch_threads": torch.get_num_threads(),  # PyTorch's CPU threads in this process
     }
     try:
         if not todo:  # everything resumed: no model to load
@@ -570,6 +571,7 @@ def _summary(
         missing.append({"index": i, "prompt": prompts[i], "file": names[i], "rank": r, "reason": reason})
     done = [rec for rec in records.values() if rec.get("written")]
     written = sum(len(rec["written"]) for rec in done)
+    threads = sorted({rec["torch_threads"] for rec in done if rec.get("torch_threads")}) or None
     window = 0.0
     if done:  # the first start of generation to the last end, over the ranks that made images
         window = max(rec["generate_end"] for rec in done) - min(rec["generate_start"] for rec in done)
@@ -586,8 +588,12 @@ def _summary(
         "generate_s": round(window, 3),
         "images_per_s": round(written / window, 4) if window > 0 else 0.0,
         "images_per_s_sum_of_ranks": round(sum(rec.get("images_per_s", 0.0) for rec in done), 4),
-        "timing": "images_per_s: images written / (last rank's end - first rank's start of generation); "
-        "process start, model load and engine builds are outside it",
+        "timing": "images_per_s: images written / (last rank's end - first rank's start of generation), "
+        "the same window for 1 and N processes; process start, model load and engine builds are outside "
+        f"it. The processes shared {os.cpu_count()} CPU cores with "
+        f"{'/'.join(map(str, threads or ['?']))} torch thread(s) each "
+        "(GPU runs are not bound by them)",
+        "torch_threads": threads,
         **settings,
         "ranks": ranks,
     }
@@ -805,6 +811,9 @@ def launch(
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         RUN_ENV: run_id,
         TOKEN_ENV: token,
+        # the machine's cores shared out: N processes use the cores one process would (CPU timings)
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+        or str(max(1, (os.cpu_count() or 1) // num_processes)),
     }
     bar = _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show_progress)
     workers: list[subprocess.Popen] = []

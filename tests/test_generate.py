@@ -72,6 +72,11 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference):
         (1, [4, 7], [4, 5, 6]),
     ]
     assert len({r["pid"] for r in ranks}) == 2 and all(r["images_per_s"] > 0 for r in ranks)
+    # the cores one process would use, shared out: images/s of 1 and N processes compare alike
+    if "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // 2)
+        assert {r["torch_threads"] for r in ranks} == {share} and summary["torch_threads"] == [share]
+        assert f"{os.cpu_count()} CPU cores with {share} torch thread(s) each" in summary["timing"]
     # one engine cache on the host: whichever rank came first built the engine set, the other loaded it
     assert sorted((r["engine_builds"], r["engine_cache_loads"]) for r in ranks) == [(0, 1), (1, 0)]
     # one progress report for the job (the coordinator's), none from the workers; the summary on stdout
