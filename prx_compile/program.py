@@ -128,7 +128,10 @@ class Program:
     steps: list[Step]
     output: Any
     segments: int = 0
+    #: read from JSON (an artifact or a cache entry): runs bounded, every failure an ArtifactError
+    untrusted: bool = field(default=False, repr=False, compare=False)
     _frees: tuple = field(default=(None, []), init=False, repr=False, compare=False)
+    _checked: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     # -- running --------------------------------------------------------------------------------
     def run(
@@ -138,7 +141,10 @@ class Program:
         engines: Mapping[str, Callable],
         constants: Mapping[str, torch.Tensor],
     ) -> Any:
-        """Run the steps: inputs by activation name, params by FQN, constants by name."""
+        """Run the steps: inputs by activation name, params by FQN, constants by name.
+
+        A Program read from JSON (``untrusted``) runs under ``_Guard`` until these input shapes have
+        run once, and any failure is an ArtifactError naming the step."""
         env: dict[str, Any] = {}
 
         def val(a):
@@ -161,12 +167,42 @@ class Program:
                 return _DTYPES[v]
             return a
 
-        for st, done in zip(self.steps, self.frees(), strict=True):
-            fn = engines[st.engine] if st.op == "engine" else OPS[st.op]
-            env[st.out] = fn(*[val(a) for a in st.args], **{k: val(v) for k, v in st.kwargs.items()})
-            for name in done:  # a result no later step reads: its memory can be reused now
-                del env[name]
-        return val(self.output)
+        signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+        guard = None
+        if self.untrusted and signature not in self._checked:
+            guard = _Guard([*inputs.values(), *params.values()])
+        at = None  # the step running, for the error
+        try:
+            for at, done in zip(self.steps, self.frees(), strict=True):
+                fn = engines[at.engine] if at.op == "engine" else OPS[at.op]
+                args = [val(a) for a in at.args]
+                kwargs = {k: val(v) for k, v in at.kwargs.items()}
+                if guard is not None and at.op != "engine":
+                    guard.before(fn, args, kwargs)
+                env[at.out] = fn(*args, **kwargs)
+                if guard is not None:
+                    guard.after(env[at.out])
+                for name in done:  # a result no later step reads: its memory can be reused now
+                    if guard is not None:
+                        guard.drop(env[name])
+                    del env[name]
+            at = None
+            out = val(self.output)
+            if self.untrusted:
+                _check_output(out)
+        except Exception as e:
+            if not self.untrusted:
+                raise
+            from .errors import ArtifactError, one_line
+
+            where = "its output" if at is None else f"{at.out} ({at.engine if at.op == 'engine' else at.op})"
+            raise ArtifactError(
+                f"the artifact's program failed at {where}: {type(e).__name__}: {one_line(e)}",
+                "load it with rebuild=True (its engines and program are then built again here).",
+            ) from e
+        if guard is not None:
+            self._checked.add(signature)
+        return out
 
     def frees(self) -> list[list[str]]:
         """For each step, the results to drop after it: those no later step and not the output read.
@@ -273,7 +309,74 @@ class Program:
             defined.add(out)
             steps.append(Step(op, list(s["args"]), dict(s["kwargs"]), out, engine))
         _check_arg(data["output"], known, defined, "program.output", 0)
-        return cls(list(inputs), steps, data["output"], data["segments"])
+        return cls(list(inputs), steps, data["output"], data["segments"], untrusted=True)
+
+
+#: a loaded Program's result may be at most this many times the largest tensor it was given, and
+#: its live results together this many times all it was given (at least a few MiB either way)
+GROWTH = 16
+MAX_TENSOR_BYTES = 64 * 2**30
+MAX_INT = 2**63
+
+
+class _Guard:
+    """Bounds on one run of a Program read from JSON, so that a hostile one fails in well under a
+    second instead of exhausting memory: each op's result is sized on meta tensors before it runs
+    (no allocation), integers stay below ``MAX_INT``, and the storages the results hold together are
+    counted as they are made and dropped."""
+
+    def __init__(self, given: list[Any]):
+        sizes = [t.numel() * t.element_size() for t in given if isinstance(t, torch.Tensor)]
+        self.max_bytes = min(MAX_TENSOR_BYTES, max(2**22, GROWTH * max(sizes, default=0)))
+        self.max_live = max(2**24, GROWTH * sum(sizes))
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, results holding it]
+        self.live_bytes = 0
+
+    def before(self, fn: Callable, args: list, kwargs: dict) -> None:
+        meta = torch.utils._pytree.tree_map(_as_meta, (args, kwargs))
+        for t in _tensors(fn(*meta[0], **meta[1])):
+            size = t.numel() * t.element_size()
+            if size > self.max_bytes:
+                raise ValueError(
+                    f"a result of {size} bytes, more than this program may make ({self.max_bytes})"
+                )
+
+    def after(self, out: Any) -> None:
+        if isinstance(out, int) and not isinstance(out, bool) and abs(out) >= MAX_INT:
+            raise ValueError(f"an integer result of {out.bit_length()} bits")
+        for t in _tensors(out):
+            key = t.untyped_storage().data_ptr()
+            entry = self.live.setdefault(key, [t.untyped_storage().nbytes(), 0])
+            if entry[1] == 0:
+                self.live_bytes += entry[0]
+            entry[1] += 1
+        if self.live_bytes > self.max_live:
+            raise ValueError(f"its results hold {self.live_bytes} bytes, more than it may ({self.max_live})")
+
+    def drop(self, out: Any) -> None:
+        for t in _tensors(out):
+            entry = self.live.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self.live_bytes -= entry[0]
+
+
+def _as_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+    return x
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _check_output(out: Any) -> None:
+    """A step's output is a tensor, or a tuple of tensors (what the caller takes apart)."""
+    items = out if isinstance(out, (list, tuple)) else [out]
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        raise TypeError(f"the output is {type(out).__name__}, not a tensor")
 
 
 def _step_refs(a: Any) -> Iterator[str]:

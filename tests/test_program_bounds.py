@@ -1,0 +1,162 @@
+"""A Program read from JSON (an artifact, a cache entry) runs bounded: a hostile one fails in well
+under a second with an ArtifactError naming the step, before it can exhaust memory; a round trip of a
+real one still runs (tests/test_program.py)."""
+
+import resource
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prx_compile import ArtifactError
+from prx_compile.program import Program, ProgramError
+
+X = {"ref": "in:hidden_states"}
+INPUTS = {"hidden_states": torch.ones(2, 4, 8, 8)}
+
+
+def load(steps, output):
+    """A Program as JSON from an artifact: validated by from_json, then run untrusted."""
+    data = {
+        "inputs": ["hidden_states"],
+        "steps": [
+            {"op": op, "engine": None, "args": args, "kwargs": kwargs, "out": f"v{i}"}
+            for i, (op, args, kwargs) in enumerate(steps)
+        ],
+        "output": output,
+        "segments": 0,
+    }
+    return Program.from_json(data, engines=set(), params=set(), constants=set())
+
+
+def run(program):
+    return program.run(INPUTS, {}, {}, {})
+
+
+def timed_failure(program, match):
+    t0 = time.perf_counter()
+    with pytest.raises(ArtifactError, match=match):
+        run(program)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_forty_integer_squarings_fail_at_once():
+    steps = [("aten.sym_size.int", [X, 2], {})]
+    steps += [("operator.mul", [{"ref": f"v{i}"}, {"ref": f"v{i}"}], {}) for i in range(40)]
+    timed_failure(load(steps, {"ref": "v40"}), r"failed at v5 \(operator\.mul\).*integer result of 97 bits")
+
+
+@pytest.mark.parametrize(
+    "steps,match",
+    [
+        # 2**40 elements as a view (no memory), then a copy: refused before the copy allocates
+        (
+            [("aten.expand.default", [X, {"list": [2**20, 2**20, 2, 4, 8, 8]}], {})],
+            "more than this program may make",
+        ),
+        (
+            [
+                ("aten.view.default", [X, {"list": [-1]}], {}),
+                ("aten.expand.default", [{"ref": "v0"}, {"list": [4096, 512]}], {}),
+                ("aten.clone.default", [{"ref": "v1"}], {}),
+            ],
+            r"failed at v1 \(aten\.expand\.default\).*more than this program may make",  # before the copy
+        ),
+        ([("aten.view.default", [X, {"list": [3, 7]}], {})], r"failed at v0 \(aten\.view\.default\)"),
+        ([("aten.select.int", [X, 0, 99], {})], "IndexError"),
+        ([("operator.floordiv", [1, 0], {})], "ZeroDivisionError"),
+        ([("aten.add.Tensor", [X, {"dtype": "bool"}], {})], r"failed at v0"),
+    ],
+)
+def test_hostile_steps_fail_in_one_line(steps, match):
+    out = {"ref": f"v{len(steps) - 1}"}
+    timed_failure(load(steps, out), match)
+
+
+def test_many_results_kept_alive_are_refused():
+    # 2 MiB copies, every one read by the output, so none can be freed: refused at 16 MiB, not at 200
+    steps = [
+        ("aten.view.default", [X, {"list": [-1]}], {}),
+        ("aten.expand.default", [{"ref": "v0"}, {"list": [1024, 512]}], {}),
+    ]
+    steps += [("aten.clone.default", [{"ref": "v1"}], {}) for _ in range(100)]
+    program = load(steps, {"tuple": [{"ref": f"v{i}"} for i in range(2, 102)]})
+    timed_failure(program, r"failed at v9 \(aten\.clone\.default\).*its results hold")
+
+
+@pytest.mark.parametrize("output", [1, None, {"ref": "v0"}])
+def test_an_output_that_is_not_a_tensor_is_refused(output):
+    program = load([("aten.sym_size.int", [X, 0], {})], output)
+    timed_failure(program, "its output.*not a tensor")
+
+
+def test_a_sound_program_runs_and_then_runs_unguarded():
+    steps = [("aten.mul.Tensor", [X, 2.0], {}), ("aten.add.Tensor", [{"ref": "v0"}, X], {})]
+    program = load(steps, {"ref": "v1"})
+    assert torch.equal(run(program), INPUTS["hidden_states"] * 3)
+    assert program._checked  # these shapes passed: later calls skip the guard
+    assert torch.equal(run(program), INPUTS["hidden_states"] * 3)
+
+
+OPS = [
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.expand.default",
+    "aten.permute.default",
+    "aten.clone.default",
+    "aten.cat.default",
+    "aten.add.Tensor",
+    "aten.mul.Tensor",
+    "aten.slice.Tensor",
+    "aten.sym_size.int",
+    "operator.mul",
+    "operator.floordiv",
+]
+INTS = st.one_of(st.integers(-8, 8), st.sampled_from([2**20, 2**31, 2**40, 2**62, -(2**40)]))
+
+
+@st.composite
+def programs(draw):
+    steps = []
+    for i in range(draw(st.integers(1, 6))):
+        refs = [X] + [{"ref": f"v{j}"} for j in range(i)]
+        op = draw(st.sampled_from(OPS))
+        ref = draw(st.sampled_from(refs))
+        n = draw(st.integers(0, 4))
+        args = {
+            "aten.view.default": [ref, {"list": [draw(INTS) for _ in range(n)]}],
+            "aten.reshape.default": [ref, {"list": [draw(INTS) for _ in range(n)]}],
+            "aten.expand.default": [ref, {"list": [draw(INTS) for _ in range(n)]}],
+            "aten.permute.default": [ref, {"list": [draw(INTS) for _ in range(n)]}],
+            "aten.clone.default": [ref],
+            "aten.cat.default": [{"list": [ref] * draw(st.integers(1, 64))}, draw(INTS)],
+            "aten.add.Tensor": [ref, draw(st.sampled_from(refs))],
+            "aten.mul.Tensor": [ref, draw(st.sampled_from(refs))],
+            "aten.slice.Tensor": [ref, draw(INTS), draw(INTS), draw(INTS)],
+            "aten.sym_size.int": [ref, draw(INTS)],
+            "operator.mul": [draw(st.sampled_from(refs)), draw(st.sampled_from(refs))],
+            "operator.floordiv": [draw(st.sampled_from(refs)), draw(INTS)],
+        }[op]
+        steps.append((op, args, {}))
+    return steps
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_any_program_runs_bounded_or_fails_as_an_artifact_error(steps):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    t0 = time.perf_counter()
+    try:
+        program = load(steps, {"ref": f"v{len(steps) - 1}"})
+    except ProgramError:
+        return
+    try:
+        out = run(program)
+    except ArtifactError:
+        pass
+    else:
+        assert isinstance(out, torch.Tensor)
+    assert time.perf_counter() - t0 < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 2**20  # under 1 GiB more, per case
