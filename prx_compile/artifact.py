@@ -348,6 +348,14 @@ class Reader:
                     f"{self.root}: {rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
                     "(truncated or replaced)."
                 )
+            # mostly holes (a compressed file system shrinks real weights far less than 64x): hashing
+            # them would read zeros for hours
+            if st.st_size > 64 * 2**20 and st.st_blocks * 512 * 64 < st.st_size:
+                raise ArtifactError(
+                    f"{self.root}: {rel} is a sparse file ({st.st_size} bytes, {st.st_blocks * 512} on "
+                    "disk), which no save writes.",
+                    "copy the artifact again without --sparse, or save it anew.",
+                )
             yield fd
         finally:
             for f in fds:
@@ -442,6 +450,10 @@ def _read_manifest_bytes(root: Path) -> bytes:
         os.close(fd)
 
 
+#: the most bytes an artifact's files may hold together (weights of a 30 B-parameter model in fp32)
+MAX_FILE_BYTES = 128 * 2**30
+
+
 def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
     """JSON of this format and version, with a valid ``files`` table; other fields are checked by
     whoever reads them."""
@@ -471,13 +483,18 @@ def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
             and set(entry) == {"bytes", "sha256"}
             and isinstance(entry["bytes"], int)
             and not isinstance(entry["bytes"], bool)
-            and 0 <= entry["bytes"] < 1 << 44
+            and 0 <= entry["bytes"] <= MAX_FILE_BYTES
             and isinstance(entry["sha256"], list)
             and len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
             and all(isinstance(h, str) and _HEX.fullmatch(h) for h in entry["sha256"])
         )
         if not ok:
             raise ArtifactError(f"{where}: files[{rel!r}] must be {{bytes, sha256 (one per 64 MiB)}}.")
+    total = sum(e["bytes"] for e in files.values())
+    if total > MAX_FILE_BYTES:
+        raise ArtifactError(
+            f"{where}: its files hold {total} bytes, more than an artifact may ({MAX_FILE_BYTES})."
+        )
     return manifest
 
 

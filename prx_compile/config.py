@@ -175,16 +175,16 @@ class CompileConfig:
         for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "share_engines"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={excerpt(getattr(self, key))} must be true or false.")
-        for key in ("batch", "text_len"):
+        for key, top in (("batch", 256), ("text_len", 4096)):  # what an artifact may declare (export)
             v = getattr(self, key)
             if (
                 not isinstance(v, (list, tuple))
                 or len(v) != 2
                 or not all(_is_int(x) for x in v)
-                or not 1 <= v[0] <= v[1] <= 1 << 16
+                or not 1 <= v[0] <= v[1] <= top
             ):
                 raise ConfigError(
-                    f"{key}={excerpt(v)} must be [min, max] integers with 1 <= min <= max.",
+                    f"{key}={excerpt(v)} must be [min, max] integers with 1 <= min <= max <= {top}.",
                     f"e.g. {key}: [1, 2]",
                 )
             setattr(self, key, list(v))

@@ -120,20 +120,28 @@ class ShapeRange:
         """Validated inverse of ``to_dict``; ValueError naming the field on bad data."""
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise ValueError(f"shapes must have exactly the keys {sorted(cls.__dataclass_fields__)}")
-        out = {}
+        from .errors import excerpt
+
+        out: dict[str, Any] = {}
+        m = data["multiple"]
+        if not _small_int(m) or not 1 <= m <= 64:
+            raise ValueError(f"shapes.multiple={excerpt(m)} must be an integer from 1 to 64")
+        out["multiple"] = m
         for key in ("batch", "height", "width", "text"):
-            v = data[key]
-            ok = isinstance(v, list) and len(v) == 2 and all(_small_int(x) for x in v) and 1 <= v[0] <= v[1]
-            if not ok:
-                raise ValueError(f"shapes.{key}={v!r} must be [min, max] positive integers")
+            v, top = data[key], _LIMITS[key]
+            ok = isinstance(v, list) and len(v) == 2 and all(_small_int(x) for x in v)
+            if not ok or not 1 <= v[0] <= v[1] <= top:
+                raise ValueError(f"shapes.{key}={excerpt(v)} must be [min, max] integers from 1 to {top}")
+            if key in ("height", "width") and (v[0] % m or v[1] % m):
+                raise ValueError(f"shapes.{key}={excerpt(v)} must be multiples of {m}")
             out[key] = tuple(v)
-        if not _small_int(data["multiple"]) or data["multiple"] < 1:
-            raise ValueError(f"shapes.multiple={data['multiple']!r} must be a positive integer")
-        out["multiple"] = data["multiple"]
         for key in ("opt_batch", "opt_height", "opt_width", "opt_text"):
             v = data[key]
-            if v is not None and not (_small_int(v) and v >= 1):
-                raise ValueError(f"shapes.{key}={v!r} must be a positive integer or null")
+            lo, hi = out[key[4:]]
+            if v is not None and not (_small_int(v) and lo <= v <= hi):
+                raise ValueError(f"shapes.{key}={excerpt(v)} must be null or an integer from {lo} to {hi}")
+            if v is not None and key in ("opt_height", "opt_width") and v % m:
+                raise ValueError(f"shapes.{key}={v} must be a multiple of {m}")
             out[key] = v
         return cls(**out)
 
@@ -171,6 +179,11 @@ class ShapeRange:
             self.opt_width or self.width[1],
             self.opt_text or self.text[1],
         )
+
+
+#: the largest shapes an engine set read from disk may declare (latent pixels for height and width):
+#: far beyond PRX's serving sizes, small enough that example inputs cannot take the machine's memory
+_LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096}
 
 
 def _small_int(v: Any) -> bool:

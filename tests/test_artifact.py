@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -731,3 +732,26 @@ def test_saving_a_float64_model_is_refused_before_any_build(tmp_path):
     with pytest.raises(ArtifactError, match="cannot save a torch.float64 model"):
         save_compiled(ct, tmp_path / "x")
     assert ct.builds == 0
+
+
+def test_a_listed_sparse_file_is_refused_before_it_is_hashed(artifact):
+    """A 16 TiB file of holes (0 bytes on disk) listed with its size: refused at once, not hashed for
+    hours; a listing above the size bound is refused from the manifest alone."""
+    from prx_compile.artifact import CHUNK, MAX_FILE_BYTES
+
+    m = manifest(artifact)
+    weights = next(rel for rel in m["files"] if rel.endswith(".safetensors"))
+    huge = 2**44  # the manifest alone is refused: the file is never opened
+    m["files"][weights] = {"bytes": huge, "sha256": ["0" * 64] * (huge // CHUNK)}
+    write_manifest(artifact, m)
+    t0 = time.perf_counter()
+    with pytest.raises(ArtifactError, match=r"files\['.*'\] must be \{bytes"):
+        load_compiled(artifact)
+    small = MAX_FILE_BYTES // 2**10
+    with open(artifact / weights, "r+b") as f:
+        f.truncate(small)
+    m["files"][weights] = {"bytes": small, "sha256": ["0" * 64] * -(-small // CHUNK)}
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="is a sparse file"):
+        load_compiled(artifact)
+    assert time.perf_counter() - t0 < 5.0

@@ -160,3 +160,21 @@ def test_any_program_runs_bounded_or_fails_as_an_artifact_error(steps):
         assert isinstance(out, torch.Tensor)
     assert time.perf_counter() - t0 < 1.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 2**20  # under 1 GiB more, per case
+
+
+def test_saved_shape_ranges_are_bounded_and_consistent():
+    from prx_compile.export import ShapeRange
+
+    good = ShapeRange((1, 2), (64, 128), (64, 128), (1, 256), 2, None, 96, None, None).to_dict()
+    assert ShapeRange.from_dict(good).opt_height == 96
+    for key, bad in (
+        ("batch", [1, 2**20]),  # would allocate GiBs of example inputs at the first call
+        ("height", [64, 10**6]),
+        ("height", [63, 128]),  # off the patch multiple
+        ("opt_height", 130),  # outside its range
+        ("opt_width", 97),  # off the multiple
+        ("opt_text", 0),
+        ("multiple", 10**400),
+    ):
+        with pytest.raises(ValueError, match=f"shapes.{key}"):
+            ShapeRange.from_dict({**good, key: bad})
