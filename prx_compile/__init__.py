@@ -20,7 +20,7 @@ from .errors import (
 from .generate import generate_images
 from .lora import load_lora, set_lora, unload_lora
 from .module import CompiledTransformer, compile_prx
-from .saving import inspect_artifact, load_compiled, save_compiled
+from .saving import artifact_digest, inspect_artifact, load_compiled, save_compiled
 
 __all__ = [
     "__version__",
@@ -28,6 +28,7 @@ __all__ = [
     "CompiledTransformer",
     "CompileConfig",
     "save_compiled",
+    "artifact_digest",
     "load_compiled",
     "inspect_artifact",
     "generate_images",

@@ -313,6 +313,7 @@ class Reader:
         self.root = root
         self.manifest = manifest
         self.files: dict[str, dict[str, Any]] = manifest["files"]
+        self.digest: str | None = None  # set by open_artifact
 
     @contextlib.contextmanager
     def open(self, rel: str) -> Iterator[int]:
@@ -408,9 +409,24 @@ def _header_metadata(data: bytes) -> dict[str, str]:
     return header.get("__metadata__") or {}
 
 
-def open_artifact(path: str | os.PathLike, *, kind: str, verify: bool = True) -> Reader:
+_DIGEST = re.compile(r"sha256:[0-9a-fA-F]{64}")
+
+
+def open_artifact(
+    path: str | os.PathLike, *, kind: str, verify: bool = True, digest: str | None = None
+) -> Reader:
     """A Reader over the artifact at ``path`` (of this ``kind``), its manifest parsed and, with
-    ``verify``, every listed file checked against its size and sha256."""
+    ``verify``, every listed file checked against its size and sha256.
+
+    ``reader.digest`` is ``"sha256:<hex>"`` of the manifest's bytes; the manifest lists every file's
+    size and sha256, so with ``verify`` it pins the whole artifact. With ``digest`` (what the
+    publisher printed), anything else is an ArtifactError before a field is parsed."""
+    if digest is not None and (not isinstance(digest, str) or not _DIGEST.fullmatch(digest)):
+        raise ArtifactError(
+            "digest must be 'sha256:' and 64 hex digits, as save_compiled and `prx-compile inspect` print it."
+        )
+    if digest is not None and not verify:
+        raise ArtifactError("a digest pins the files only when they are verified: leave verify on.")
     root = Path(path)
     if not root.is_dir():
         what = "a file, not a directory" if os.path.lexists(root) else "no such directory"
@@ -418,8 +434,16 @@ def open_artifact(path: str | os.PathLike, *, kind: str, verify: bool = True) ->
             f"{root} is not a prx_compile artifact: {what}.",
             "an artifact is the directory prx_compile.save_compiled or `prx-compile build` writes.",
         )
-    manifest = parse_manifest(_read_manifest_bytes(root), str(root / MANIFEST), kind)
+    data = _read_manifest_bytes(root)
+    found = "sha256:" + hashlib.sha256(data).hexdigest()
+    if digest is not None and found != digest.lower():
+        raise ArtifactError(
+            f"{root} is not the artifact that was published: its digest is {found}, expected {digest}.",
+            "get the artifact again from its publisher (or load it with rebuild=True only if you trust it).",
+        )
+    manifest = parse_manifest(data, str(root / MANIFEST), kind)
     reader = Reader(root, manifest)
+    reader.digest = found
     if verify:
         reader.verify()
     return reader

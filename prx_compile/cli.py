@@ -225,6 +225,9 @@ def cmd_build(args) -> int:
     path = save_compiled(ct, args.out)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
     print(f"wrote {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s: {_summary_line(ct)}")
+    from .saving import artifact_digest
+
+    print(f"  digest: {artifact_digest(path)}  (publish it; load with --digest or digest=)")
     for b in ct.backends:
         print(f"  engine set: {b.shapes.describe()}")
     return 0
@@ -341,7 +344,9 @@ def _pipeline_factory(args):
             config = config.replace(engine_cache_dir=default_engine_cache())
         loaded = None
         if args.artifact:  # the pipeline takes the artifact's dtype
-            loaded = load_compiled(args.artifact, device=config.device, backend=args.backend)
+            loaded = load_compiled(
+                args.artifact, device=config.device, backend=args.backend, digest=args.digest
+            )
         pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
         if loaded is not None:
             if loaded.config.in_channels != pipe.transformer.config.in_channels:
@@ -375,6 +380,8 @@ def cmd_generate(args) -> int:
         raise CLIError(f"{args.checkpoint} is not a diffusers PRX folder: model_index.json is missing.")
     if args.artifact and not Path(args.artifact).is_dir():
         raise CLIError(f"--artifact {args.artifact}: no such directory.")
+    if args.digest and not args.artifact:
+        raise CLIError("--digest pins an artifact: pass --artifact too.")
     _check_outputs(Path(args.out_dir), args.summary)  # before minutes of loading and building
     worker = bool(os.environ.get(RUN_ENV))  # one of the processes --num-processes started
     under_accelerate = int(os.environ.get("WORLD_SIZE") or 1) > 1 and not worker
@@ -512,6 +519,7 @@ def cmd_inspect(args) -> int:
     gpu = info["gpu"] or {}
     lines = [
         f"artifact {info['path']} (format {info['format_version']}, created {info['created']})",
+        f"  digest       {info['digest']}" + ("" if not args.no_verify else " (files not verified)"),
         f"  model        {info['model']}, {info['dtype']}",
         f"  backend      {info['backend']}, attention {info['attention']}, weights {info['weights']}, "
         f"precision {info['precision']}",
@@ -659,6 +667,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line")
     g.add_argument("--artifact", help="use a saved artifact instead of compiling")
+    g.add_argument(
+        "--digest",
+        help="with --artifact: the sha256:... its publisher printed; another artifact is refused",
+    )
     g.add_argument("--no-compile", action="store_true", help="run the eager transformer")
     g.add_argument(
         "--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png, NNN the prompt's index)"

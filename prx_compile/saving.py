@@ -101,6 +101,7 @@ def load_compiled(
     backend: str | None = None,
     rebuild: bool = False,
     verify: bool = True,
+    digest: str | None = None,
 ) -> CompiledTransformer:
     """Load an artifact written by ``save_compiled``; no engine is built, nothing is unpickled.
 
@@ -112,6 +113,8 @@ def load_compiled(
         rebuild: ignore the saved engines and compile again from the saved weights at first use
             (another GPU or TensorRT; or to run nothing but safetensors and JSON from this artifact).
         verify: check the size and sha256 of every file first (parallel; well under a second for PRX).
+        digest: ``"sha256:..."`` as ``artifact_digest`` / ``prx-compile inspect`` printed it where the
+            artifact was made: an artifact with another digest is refused before anything is parsed.
 
     Each engine set is deserialised by TensorRT at its first call (or by ``.build()`` on the result),
     so a process pays only for the sets it runs; every file is read and checked here.
@@ -123,7 +126,7 @@ def load_compiled(
             the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
-    reader = artifact.open_artifact(path, kind=KIND, verify=verify)
+    reader = artifact.open_artifact(path, kind=KIND, verify=verify, digest=digest)
     m = reader.manifest
     config = _config(m, device, backend)
     rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
@@ -298,6 +301,13 @@ def check_compatible(m: dict[str, Any]) -> None:
         )
 
 
+def artifact_digest(path: str | os.PathLike) -> str:
+    """``"sha256:<hex>"`` of the artifact at ``path``, its files verified first: what a publisher
+    prints and a user passes to ``load_compiled(path, digest=...)``. It covers every file (the manifest
+    it hashes lists each file's sha256)."""
+    return artifact.open_artifact(path, kind=KIND, verify=True).digest
+
+
 def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
     """A summary of an artifact: versions, GPU, config, model, engine sets, LoRA, files. With
     ``verify``, every file is checked first (a damaged artifact raises ArtifactError). Fields of an
@@ -322,6 +332,7 @@ def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[st
     files = m["files"]
     return {
         "path": str(path),
+        "digest": reader.digest,
         "format_version": m["format_version"],
         "created": str(m.get("created")),
         "versions": {k: str(v) for k, v in mapping(m, "versions").items()},

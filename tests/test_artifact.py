@@ -755,3 +755,26 @@ def test_a_listed_sparse_file_is_refused_before_it_is_hashed(artifact):
     with pytest.raises(ArtifactError, match="is a sparse file"):
         load_compiled(artifact)
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_a_digest_pins_the_artifact_that_was_published(artifact, saved):
+    from prx_compile import artifact_digest
+
+    path, kw, _, out, _ = saved
+    digest = artifact_digest(artifact)
+    assert digest.startswith("sha256:") and len(digest) == 71
+    assert digest == artifact_digest(path) == inspect_artifact(artifact)["digest"]  # the same bytes
+    loaded = load_compiled(artifact, digest=digest.upper().replace("SHA256", "sha256"))
+    assert torch.equal(loaded(**kw, return_dict=False)[0], out)
+    # an edit that every per-file hash still accepts (the manifest is where they sit) changes it
+    m = manifest(artifact)
+    m["created"] = "2026-01-01T00:00:00Z"
+    write_manifest(artifact, m)
+    assert artifact_digest(artifact) != digest
+    with pytest.raises(ArtifactError, match="is not the artifact that was published"):
+        load_compiled(artifact, digest=digest)
+    for bad, why in (("sha256:abc", "64 hex digits"), ("md5:" + "0" * 64, "64 hex digits")):
+        with pytest.raises(ArtifactError, match=why):
+            load_compiled(artifact, digest=bad)
+    with pytest.raises(ArtifactError, match="leave verify on"):
+        load_compiled(artifact, digest=digest, verify=False)

@@ -277,3 +277,21 @@ def test_a_huge_argument_is_echoed_as_a_bounded_excerpt(args):
     r = run(*args, "9" * 100_000)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr) < 3000, len(r.stderr)
     assert "'99999999" in r.stderr and "...999" in r.stderr
+
+
+def test_build_prints_a_digest_that_inspect_shows_and_generate_checks(tmp_path):
+    art = tmp_path / "tiny.artifact"
+    r = run("build", "--tiny", "--out", str(art), "--quiet")
+    assert r.returncode == 0, r.stderr
+    digest = next(w for w in r.stdout.split() if w.startswith("sha256:"))
+    assert len(digest) == 71
+    r = run("inspect", str(art))
+    assert r.returncode == 0 and f"digest       {digest}" in r.stdout
+    base = ["generate", "--prompt", "a cat", "--steps", "1", "--out-dir", str(tmp_path / "o")]
+    other = "sha256:" + "0" * 64
+    one_line_error(
+        run(*base, "--artifact", str(art), "--digest", other), "is not the artifact that was published"
+    )
+    one_line_error(run(*base, "--tiny", "--digest", digest), "--digest pins an artifact")
+    r = run(*base, "--artifact", str(art), "--digest", digest)
+    assert r.returncode == 0, r.stderr
