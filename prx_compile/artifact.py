@@ -413,14 +413,21 @@ _DIGEST = re.compile(r"sha256:[0-9a-fA-F]{64}")
 
 
 def open_artifact(
-    path: str | os.PathLike, *, kind: str, verify: bool = True, digest: str | None = None
+    path: str | os.PathLike,
+    *,
+    kind: str,
+    verify: bool = True,
+    digest: str | None = None,
+    reads: Callable[[dict[str, Any]], set[str]] | None = None,
 ) -> Reader:
     """A Reader over the artifact at ``path`` (of this ``kind``), its manifest parsed and, with
     ``verify``, every listed file checked against its size and sha256.
 
     ``reader.digest`` is ``"sha256:<hex>"`` of the manifest's bytes; the manifest lists every file's
     size and sha256, so with ``verify`` it pins the whole artifact. With ``digest`` (what the
-    publisher printed), anything else is an ArtifactError before a field is parsed."""
+    publisher printed), anything else is an ArtifactError before a field is parsed. ``reads(manifest)``:
+    the files a loader of this kind reads; a manifest that lists any other is refused before a byte of
+    them is hashed."""
     if digest is not None and (not isinstance(digest, str) or not _DIGEST.fullmatch(digest)):
         raise ArtifactError(
             "digest must be 'sha256:' and 64 hex digits, as save_compiled and `prx-compile inspect` print it."
@@ -442,6 +449,14 @@ def open_artifact(
             "get the artifact again from its publisher (or load it with rebuild=True only if you trust it).",
         )
     manifest = parse_manifest(data, str(root / MANIFEST), kind)
+    if reads is not None:
+        unused = sorted(set(manifest["files"]) - reads(manifest))
+        if unused:
+            raise ArtifactError(
+                f"{root}: the manifest lists files no load reads ({', '.join(unused[:3])}"
+                f"{', ...' if len(unused) > 3 else ''}).",
+                "an artifact lists only what save_compiled writes: save it anew.",
+            )
     reader = Reader(root, manifest)
     reader.digest = found
     if verify:

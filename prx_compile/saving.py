@@ -126,7 +126,7 @@ def load_compiled(
             the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
-    reader = artifact.open_artifact(path, kind=KIND, verify=verify, digest=digest)
+    reader = artifact.open_artifact(path, kind=KIND, verify=verify, digest=digest, reads=_files_read)
     m = reader.manifest
     config = _config(m, device, backend)
     rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
@@ -299,6 +299,23 @@ def check_compatible(m: dict[str, Any]) -> None:
             f"({gpu['name']}).",
             "load with rebuild=True to rebuild from the saved weights.",
         )
+
+
+def _files_read(m: dict[str, Any]) -> set[str]:
+    """The files ``load_compiled`` reads for manifest ``m``: the weights, the LoRA, and each engine
+    set's blobs and constants as its record names them (a malformed record names none here; the load
+    refuses it later)."""
+    names = {WEIGHTS, LORA}
+    records = m.get("sets")
+    for i, rec in enumerate(records[:256] if isinstance(records, list) else []):
+        state = rec.get("state") if isinstance(rec, dict) else None
+        if not isinstance(state, dict):
+            continue
+        blobs = state.get("blobs")
+        names |= {f"sets/{i}/{b}" for b in (blobs if isinstance(blobs, list) else []) if isinstance(b, str)}
+        if state.get("tensors") is True:
+            names.add(f"sets/{i}/tensors.safetensors")
+    return names
 
 
 def artifact_digest(path: str | os.PathLike) -> str:

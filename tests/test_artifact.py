@@ -163,7 +163,7 @@ def symlinked_dir(p: Path):
         (list_outside_file("/etc/passwd"), "not allowed in an artifact"),
         (list_outside_file("sets/x.engine\n"), "not allowed in an artifact"),
         (lambda p: (p / MANIFEST).write_text('{"format": 1' + "1" * 5000 + "}"), "not valid JSON"),
-        (symlinked_dir, "sets/x.engine is a symbolic link"),
+        (symlinked_dir, r"sets/x.engine is a symbolic link|lists files no load reads \(sets/x.engine\)"),
         (
             lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}),
             "config is missing",
@@ -778,3 +778,10 @@ def test_a_digest_pins_the_artifact_that_was_published(artifact, saved):
             load_compiled(artifact, digest=bad)
     with pytest.raises(ArtifactError, match="leave verify on"):
         load_compiled(artifact, digest=digest, verify=False)
+
+
+def test_a_listed_file_no_load_reads_is_refused_before_hashing(artifact):
+    (artifact / "extra.bin").write_bytes(b"x" * 1000)
+    rehash(artifact, "extra.bin")  # listed with its true size and hashes, as a tamperer could
+    with pytest.raises(ArtifactError, match=r"lists files no load reads \(extra.bin\)"):
+        load_compiled(artifact)
