@@ -143,7 +143,16 @@ class ShapeRange:
             if v is not None and key in ("opt_height", "opt_width") and v % m:
                 raise ValueError(f"shapes.{key}={v} must be a multiple of {m}")
             out[key] = v
-        return cls(**out)
+        shapes = cls(**out)
+        if shapes.max_tokens() > MAX_TOKENS:
+            raise ValueError(
+                f"shapes: {shapes.describe()} is {shapes.max_tokens()} tokens a step, more than {MAX_TOKENS}"
+            )
+        return shapes
+
+    def max_tokens(self) -> int:
+        """Tokens of the largest step in the range: batch x (image patches + text)."""
+        return self.batch[1] * (self.height[1] * self.width[1] // self.multiple**2 + self.text[1])
 
     def dynamic_shapes(self) -> dict[str, Any]:
         """torch.export ``dynamic_shapes`` for the activations (static dims left out)."""
@@ -184,6 +193,8 @@ class ShapeRange:
 #: the largest shapes an engine set read from disk may declare (latent pixels for height and width):
 #: far beyond PRX's serving sizes, small enough that example inputs cannot take the machine's memory
 _LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096}
+#: the most tokens one step of a set read from disk may have (PRX's default at 1024², batch 2: 8704)
+MAX_TOKENS = 2**20
 
 
 def _small_int(v: Any) -> bool:

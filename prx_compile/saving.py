@@ -162,6 +162,8 @@ def load_compiled(
             shapes.append(ShapeRange.from_dict(rec["shapes"]))
         except ValueError as e:
             raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
+    if config.device.startswith("cuda"):  # before the first call allocates a step's activations
+        check_memory(shapes, model, torch.cuda.mem_get_info(torch.device(config.device))[0])
     if rebuild:
         backends = [make_backend(model, config, s) for s in shapes] or None
     else:
@@ -299,6 +301,27 @@ def check_compatible(m: dict[str, Any]) -> None:
             f"({gpu['name']}).",
             "load with rebuild=True to rebuild from the saved weights.",
         )
+
+
+#: bytes of activations a step keeps per token and hidden channel, at the least (residual stream,
+#: attention operands, the MLP's 3.5x wider hidden state)
+ACTIVATION_FACTOR = 8
+
+
+def check_memory(shapes: list[ShapeRange], model: torch.nn.Module, free_bytes: int) -> None:
+    """ArtifactError when the largest step of an engine set needs more device memory for its
+    activations (a lower bound) than ``free_bytes``: an artifact cannot make a first call allocate
+    what the device does not have."""
+    hidden = int(getattr(model.config, "hidden_size", 0) or 0)
+    elem = next(model.parameters()).element_size()
+    for s in shapes:
+        need = s.max_tokens() * hidden * elem * ACTIVATION_FACTOR
+        if need > free_bytes:
+            raise ArtifactError(
+                f"engine set {s.describe()} needs at least {need / 2**30:.1f} GiB of device memory for a "
+                f"step's activations, and {free_bytes / 2**30:.1f} GiB are free.",
+                "load it on a larger GPU, or build engine sets for smaller shapes.",
+            )
 
 
 def _files_read(m: dict[str, Any]) -> set[str]:

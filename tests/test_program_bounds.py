@@ -178,3 +178,18 @@ def test_saved_shape_ranges_are_bounded_and_consistent():
     ):
         with pytest.raises(ValueError, match=f"shapes.{key}"):
             ShapeRange.from_dict({**good, key: bad})
+
+
+def test_a_set_too_large_for_the_device_is_refused_before_its_first_call():
+    from prx_compile.export import ShapeRange
+    from prx_compile.saving import check_memory
+    from prx_compile.testing import make_prx
+
+    model = make_prx()  # hidden 64, fp32
+    small = ShapeRange.static(2, 16, 16, 16)
+    big = ShapeRange.static(256, 2048, 2048, 4096)
+    check_memory([small], model, free_bytes=2**30)
+    with pytest.raises(ArtifactError, match=r"needs at least .* GiB of device memory .* are free"):
+        check_memory([small, big], model, free_bytes=2**30)
+    with pytest.raises(ValueError, match="tokens a step, more than"):
+        ShapeRange.from_dict({**big.to_dict(), "batch": [1, 256]})
