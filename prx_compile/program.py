@@ -167,10 +167,11 @@ class Program:
                 return _DTYPES[v]
             return a
 
-        signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
-        guard = None
-        if self.untrusted and signature not in self._checked:
-            guard = _Guard([*inputs.values(), *params.values()])
+        guard = signature = None
+        if self.untrusted:  # only a Program read from JSON pays for the shapes check
+            signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+            if signature not in self._checked:
+                guard = _Guard([*inputs.values(), *params.values()])
         at = None  # the step running, for the error
         try:
             for at, done in zip(self.steps, self.frees(), strict=True):
