@@ -59,6 +59,7 @@ ENGINE_KEYS = (
     "attention",
     "select_as_slice",
     "fp8_mlp",
+    "fp8_attention",
     "share_engines",
     "weights",
     "optimization_level",
@@ -104,10 +105,17 @@ class CompileConfig:
     fp8_mlp: with ``precision: fp8``, run each block's MLP as one ``fp8_gated_mlp`` op (three FP8
         GEMMs, the input quantised once, GELU * up quantised in one pass) instead of three FP8 linears
         with an engine for GELU * up between them.
-    range_linears: where the engine sets for a range of shapes run their linears (not the static
-        sets, which keep them in TensorRT): "torch" (cuBLAS, between engines; TensorRT-RTX runs
-        dynamic-shape GEMMs with slower Ampere kernels on Hopper) or "tensorrt". Only with
-        ``weights: inputs``; with ``weights: engine`` the engines own the weights and keep them.
+    fp8_attention: with ``precision: fp8`` and ``attention: fused``, run the joint attention on FP8
+        tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one scale per
+        128 tokens and head, computed on the device); false keeps it in bf16 (cuDNN). On the H200
+        the full fp8 step ran 2-7 % faster with it, at the same error (README, Performance).
+    range_linears: where the engine sets for a range of shapes run their linears: "torch" (cuBLAS,
+        between engines; TensorRT-RTX runs dynamic-shape GEMMs with slower Ampere kernels on
+        Hopper) or "tensorrt". Only with ``weights: inputs``; with ``weights: engine`` the engines
+        own the weights and keep them.
+    static_linears: the same choice for the static engine sets (``specialize``, ``static``):
+        "torch" (the default: cuBLAS ran the default step 1.5 ms faster on the H200) or "tensorrt"
+        (GEMMs fused with their neighbours in fewer engines).
     share_engines: with ``weights: inputs``, partitions that compute the same thing (the
         transformer blocks) run one engine, built once, with each block's weights bound at its call
         (``backends.repeats``); false builds an engine per partition, as 0.5 did. With
@@ -137,7 +145,9 @@ class CompileConfig:
     cuda_graphs: bool = True
     select_as_slice: bool = True
     fp8_mlp: bool = True
+    fp8_attention: bool = True
     range_linears: str = "torch"
+    static_linears: str = "torch"
     share_engines: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
@@ -172,7 +182,8 @@ class CompileConfig:
             )
         choice("on_shape_miss", ON_SHAPE_MISS)
         choice("range_linears", RANGE_LINEARS)
-        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "share_engines"):
+        choice("static_linears", RANGE_LINEARS)
+        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "fp8_attention", "share_engines"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={excerpt(getattr(self, key))} must be true or false.")
         for key, top in (("batch", 256), ("text_len", 4096)):  # what an artifact may declare (export)
@@ -348,27 +359,26 @@ class CompileConfig:
             attention="tensorrt" if self.attention == "tensorrt" else "flash",
             select_as_slice=self.select_as_slice,
             fp8_mlp=self.fp8_mlp,
+            fp8_attention=self.precision == "fp8" and self.fp8_attention,
             linears_in_torch=self.linears_in_torch(shapes),
         )
 
     def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
-        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``).
-        The engine cache keys on this per engine set, so ``range_linears`` changes no static set."""
-        return (
-            self.backend == "tensorrt"
-            and shapes is not None
-            and not shapes.is_static()
-            and self.range_linears == "torch"
-            and self.weights == "inputs"
-        )
+        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``
+        for a range set, ``static_linears`` for a static one). The engine cache keys on this per
+        engine set, so each switch changes only the sets it names."""
+        if self.backend != "tensorrt" or shapes is None or self.weights != "inputs":
+            return False
+        return (self.static_linears if shapes.is_static() else self.range_linears) == "torch"
 
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None
 
     def engine_settings(self) -> dict[str, Any]:
-        """The settings engines depend on (``ENGINE_KEYS``; ``fp8_mlp`` only with ``precision: fp8``)."""
+        """The settings engines depend on (``ENGINE_KEYS``; the ``fp8_*`` switches only with
+        ``precision: fp8``)."""
         d = self.to_dict()
-        return {k: d[k] for k in ENGINE_KEYS if k != "fp8_mlp" or self.precision == "fp8"}
+        return {k: d[k] for k in ENGINE_KEYS if not k.startswith("fp8_") or self.precision == "fp8"}
 
     def range_shapes(self, patch_size: int = 2) -> ShapeRange:
         """The whole range (every aspect bin, batch and text length), in latent pixels."""

@@ -6,6 +6,8 @@
 * ``torch.ops.prx_compile.flash_attention`` — attention under any (B, Lk) key mask.
 * ``torch.ops.prx_compile.prx_attention`` — PRX's whole attention core from the two projections'
   outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.attention = "fused"``).
+* ``torch.ops.prx_compile.prx_attention_fp8`` — the same with the attention on FP8 tensor cores
+  (``precision: fp8``, rule ``lowering.fp8_attention``).
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
@@ -256,6 +258,46 @@ def _norm_rope(x, weight, eps, rope, v):
     return qk_norm_rope_torch(x, weight, eps, rope), (v.contiguous() if v is not None else None)
 
 
+def _prx_attention(
+    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8
+):
+    """``prx_attention``'s body; ``fp8`` picks ``_joint_fp8`` for the attention itself."""
+    d = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    _expect(
+        heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
+    )
+    for name, w in (("k_weight", k_weight), ("text_k_weight", text_k_weight)):
+        _expect(
+            tuple(w.shape) == (d,) and w.dtype == q_weight.dtype, f"{name} must be ({d},) {q_weight.dtype}"
+        )
+    _expect(
+        img_qkv.dim() == 3 and img_qkv.shape[2] == 3 * heads * d, f"img_qkv has shape {tuple(img_qkv.shape)}"
+    )
+    b, seq, _ = img_qkv.shape
+    _expect(
+        txt_kv.dim() == 3 and txt_kv.shape[0] == b and txt_kv.shape[2] == 2 * heads * d,
+        f"txt_kv has shape {tuple(txt_kv.shape)}",
+    )
+    t = txt_kv.shape[1]
+    _key_mask("text_mask", text_mask, b, t)
+    if rope is not None:
+        _expect(tuple(rope.shape) == (b, 1, seq, d // 2, 2, 2), f"rope has shape {tuple(rope.shape)}")
+    qkv = img_qkv.reshape(b, seq, 3, heads, d)
+    kv = txt_kv.reshape(b, t, 2, heads, d)
+    if rope is not None:
+        rope = rope[:, 0]  # (B, L, D/2, 2, 2)
+    q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
+    k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
+    tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
+    if text_mask is None:
+        text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
+    if fp8:
+        out = _joint_fp8(q, tk, tv, text_mask.bool(), k, v, scale)
+    else:
+        out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
+    return out.reshape(b, seq, heads * d)
+
+
 @torch.library.custom_op(f"{_LIB}::prx_attention", mutates_args=())
 def prx_attention(
     img_qkv: torch.Tensor,
@@ -288,43 +330,56 @@ def prx_attention(
     Returns:
         (B, L, H*D), the input of ``to_out``.
     """
-    d = q_weight.shape[0] if q_weight.dim() == 1 else -1
-    _expect(
-        heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
+    return _prx_attention(
+        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=False
     )
-    for name, w in (("k_weight", k_weight), ("text_k_weight", text_k_weight)):
-        _expect(
-            tuple(w.shape) == (d,) and w.dtype == q_weight.dtype, f"{name} must be ({d},) {q_weight.dtype}"
-        )
-    _expect(
-        img_qkv.dim() == 3 and img_qkv.shape[2] == 3 * heads * d, f"img_qkv has shape {tuple(img_qkv.shape)}"
-    )
-    b, seq, _ = img_qkv.shape
-    _expect(
-        txt_kv.dim() == 3 and txt_kv.shape[0] == b and txt_kv.shape[2] == 2 * heads * d,
-        f"txt_kv has shape {tuple(txt_kv.shape)}",
-    )
-    t = txt_kv.shape[1]
-    _key_mask("text_mask", text_mask, b, t)
-    if rope is not None:
-        _expect(tuple(rope.shape) == (b, 1, seq, d // 2, 2, 2), f"rope has shape {tuple(rope.shape)}")
-    qkv = img_qkv.reshape(b, seq, 3, heads, d)
-    kv = txt_kv.reshape(b, t, 2, heads, d)
-    if rope is not None:
-        rope = rope[:, 0]  # (B, L, D/2, 2, 2)
-    q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
-    k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
-    tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
-    if text_mask is None:
-        text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
-    out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
-    return out.reshape(b, seq, heads * d)
 
 
 @prx_attention.register_fake
 def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
     b, seq, _ = img_qkv.shape
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+
+
+@torch.library.custom_op(f"{_LIB}::prx_attention_fp8", mutates_args=())
+def prx_attention_fp8(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """``prx_attention`` with the joint attention in FP8 (``precision: fp8``, ``fp8_attention``).
+
+    Same arguments and result shape. The norms and RoPE run as in ``prx_attention``; then queries,
+    keys and values are quantised to e4m3 with one scale per 128 tokens and head, computed on the
+    device, and attention runs on FP8 tensor cores (``_fp8_attention.joint_attention_fp8``; padded
+    text keys contribute nothing). Elsewhere (CPU, or a GPU or head dim the kernels do not take) the
+    named fallback ``_fp8_attention.joint_attention_fp8_torch`` runs the same quantisation in PyTorch
+    ops with exact attention after it.
+    """
+    return _prx_attention(
+        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=True
+    )
+
+
+@prx_attention_fp8.register_fake
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
+    b, seq, _ = img_qkv.shape
+    return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+
+
+def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale):
+    from . import _fp8_attention as fa
+
+    if fa.supported(q):
+        return fa.joint_attention_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale)
+    return fa.joint_attention_fp8_torch(q, k_a, v_a, mask_a, k_b, v_b, scale)
 
 
 def _check_fp8_weight(name: str, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, k: int) -> int:
@@ -436,6 +491,7 @@ def _(x, weight, bias):
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
+PRX_ATTENTION_FP8 = torch.ops.prx_compile.prx_attention_fp8.default
 FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
 FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default
 LINEAR = torch.ops.prx_compile.linear.default

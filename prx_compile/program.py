@@ -38,6 +38,7 @@ def _ops() -> dict[str, Callable]:
     prx = torch.ops.prx_compile
     overloads = [
         prx.prx_attention.default,
+        prx.prx_attention_fp8.default,
         prx.joint_attention.default,
         prx.flash_attention.default,
         prx.fp8_linear.default,

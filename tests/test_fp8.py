@@ -114,7 +114,7 @@ def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(ba
     model = make_prx()
     kw = prx_inputs(model, h=16, w=16)
     full = eager(model, kw)
-    ct = compile_prx(model, backend=backend, precision="fp8", fp8_mlp=fp8_mlp, **RANGE)
+    ct = compile_prx(model, backend=backend, precision="fp8", fp8_mlp=fp8_mlp, fp8_attention=False, **RANGE)
     assert fp8.fp8_modules(model) == 6 * len(model.blocks)
     out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
@@ -122,12 +122,28 @@ def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(ba
     ops, depth = ct.report()["torch_ops"], len(model.blocks)
     assert ops["prx_compile.fp8_linear.default"] == (3 if fp8_mlp else 6) * depth
     assert ops.get("prx_compile.fp8_gated_mlp.default", 0) == (depth if fp8_mlp else 0)
+    assert "prx_compile.prx_attention_fp8.default" not in ops
+
+
+def test_fp8_attention_runs_every_block_attention_in_fp8_within_the_error_goal():
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    full = eager(model, kw)
+    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)  # fp8_attention: the default
+    out = ct(**kw, return_dict=False)[0]
+    ops, depth = ct.report()["torch_ops"], len(model.blocks)
+    assert ops["prx_compile.prx_attention_fp8.default"] == depth
+    assert "prx_compile.prx_attention.default" not in ops
+    fp8_linears_only = eager(model, kw)  # the FP8 model: FP8 linears, attention in full precision
+    assert 0 < rel_err(out, fp8_linears_only) < 2e-2  # what FP8 attention adds
+    assert rel_err(out, full) < 3e-2
 
 
 def test_lora_requantises_and_switches_exactly():
     model = make_prx()
     kw = prx_inputs(model, h=16, w=16)
-    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    # attention in full precision, so that the FP8 model in eager is the exact reference
+    ct = compile_prx(model, backend="eager", precision="fp8", fp8_attention=False, **RANGE)
     out0 = ct(**kw, return_dict=False)[0]
     fp8_0 = {n: b.clone() for n, b in model.named_buffers()}
     a = make_random_lora(model, 4, seed=1, std=0.1)
@@ -182,8 +198,9 @@ def test_config_and_cache_key():
     assert cfg.precision == "fp8" and cfg.dtype == "bf16"
     assert cfg.engine_settings() != cfg.replace(precision="dtype").engine_settings()
     assert cfg.engine_settings() != cfg.replace(fp8_mlp=False).engine_settings()
-    bf16 = cfg.replace(precision="dtype")  # fp8_mlp changes nothing there: one cache entry
-    assert bf16.engine_settings() == bf16.replace(fp8_mlp=False).engine_settings()
+    assert cfg.engine_settings() != cfg.replace(fp8_attention=False).engine_settings()
+    bf16 = cfg.replace(precision="dtype")  # the fp8 switches change nothing there: one cache entry
+    assert bf16.engine_settings() == bf16.replace(fp8_mlp=False, fp8_attention=False).engine_settings()
     with pytest.raises(ConfigError, match="fp8_mlp"):
         CompileConfig(fp8_mlp="yes")
 
@@ -213,7 +230,7 @@ def test_refused_configs_leave_the_model_alone_and_fp8_is_not_silently_dropped()
 def test_weights_edited_in_place_are_requantised_at_the_next_call():
     model = make_prx()
     kw = prx_inputs(model, h=16, w=16)
-    ct = compile_prx(model, backend="eager", precision="fp8", **RANGE)
+    ct = compile_prx(model, backend="eager", precision="fp8", fp8_attention=False, **RANGE)
     ct(**kw, return_dict=False)
     other = make_prx(seed=5)
     model.load_state_dict(other.state_dict())  # in place, outside load_lora

@@ -40,7 +40,15 @@ from .. import progress
 from ..errors import ArtifactError, LoRAError, PRXCompileError
 from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import ENGINE_RULES, lower
-from ..ops import FLASH_ATTENTION, FP8_GATED_MLP, FP8_LINEAR, JOINT_ATTENTION, LINEAR, PRX_ATTENTION
+from ..ops import (
+    FLASH_ATTENTION,
+    FP8_GATED_MLP,
+    FP8_LINEAR,
+    JOINT_ATTENTION,
+    LINEAR,
+    PRX_ATTENTION,
+    PRX_ATTENTION_FP8,
+)
 from ..program import Program, from_graph_module
 from . import trt_shim
 from .base import Backend, BackendState
@@ -78,7 +86,11 @@ class TensorRTBackend(Backend):
             "immutable_weights": cfg.weights == "inputs",  # "engine": refittable
             "device": _cuda_device(cfg.device),
         }
-        kept = {PRX_ATTENTION, JOINT_ATTENTION, FLASH_ATTENTION} if cfg.attention != "tensorrt" else set()
+        kept = (
+            {PRX_ATTENTION, PRX_ATTENTION_FP8, JOINT_ATTENTION, FLASH_ATTENTION}
+            if cfg.attention != "tensorrt"
+            else set()
+        )
         if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
             kept |= {FP8_LINEAR, FP8_GATED_MLP}
         linears_in_torch = cfg.linears_in_torch(self.shapes)

@@ -34,4 +34,6 @@ SMALL_PRX = dict(
     depth=2,
     axes_dim=[32, 32],
 )
-RANGE = dict(batch=[1, 2], resolution=512, aspect_bins=[], text_len=[8, 64])
+#: The static sets keep their GEMMs in TensorRT here (the engine counts below assume it);
+#: ``test_static_linears.py`` covers the default, ``static_linears: torch``.
+RANGE = dict(batch=[1, 2], resolution=512, aspect_bins=[], text_len=[8, 64], static_linears="tensorrt")

@@ -30,8 +30,9 @@ def test_full_model_static_preset_lora_and_artifact(tmp_path):
     ct = compile_prx(model, config="prx-1024-bf16-static")
     base = ct(**kw, return_dict=False)[0].clone()
     assert not base.isnan().any() and rel_err(base, ref) < 1e-2
-    rep = ct.report()  # 17 partitions: the first, one per block 1..15 (one engine), the last
-    assert (rep["engines"], rep["engine_calls"]) == (3, 17) and ct.builds == 1, rep
+    rep = ct.report()  # linears in cuBLAS (static_linears: torch): the blocks' pieces between them shared
+    assert rep["engines"] <= 9 < rep["engine_calls"] and ct.builds == 1, rep
+    assert rep["torch_ops"]["prx_compile.linear.default"] >= 6 * len(model.blocks), rep["torch_ops"]
 
     a, b = make_random_lora(model, 64, seed=1, std=0.02), make_random_lora(model, 64, seed=2, std=0.02)
     assert sum(k.endswith("lora_A.weight") for k in a) == 96
