@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from . import schema
 from .errors import ArtifactError
 
 logger = logging.getLogger(__name__)
@@ -493,6 +494,22 @@ def _read_manifest_bytes(root: Path) -> bytes:
 MAX_FILE_BYTES = 128 * 2**30
 
 
+#: a manifest's ``files`` table: relative name -> {bytes, one sha256 per 64 MiB chunk}
+_FILES = schema.Map(
+    schema.Str(1000),  # check_name says which names a file may have
+    schema.Dict(
+        {
+            "bytes": schema.Int(0, MAX_FILE_BYTES),
+            "sha256": schema.List(
+                schema.Str(64, pattern=_HEX.pattern, what="a sha256 in hex"),
+                max_len=MAX_FILE_BYTES // CHUNK + 1,
+            ),
+        }
+    ),
+    max_len=10_000,
+)
+
+
 def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
     """JSON of this format and version, with a valid ``files`` table; other fields are checked by
     whoever reads them."""
@@ -511,23 +528,15 @@ def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
     if manifest.get("kind") != kind:
         raise ArtifactError(f"{where} is a {str(manifest.get('kind'))[:40]!r}, expected a {kind!r}.")
     files = field(manifest, "files", dict)
-    if len(files) > 10_000:
-        raise ArtifactError(f"{where}: files lists {len(files)} entries, too many.")
+    try:
+        schema.check(_FILES, files, f"{where}: files")
+    except schema.SchemaError as e:
+        raise ArtifactError(str(e)) from e
     for rel, entry in files.items():
         check_name(rel)
         if rel == MANIFEST:
             raise ArtifactError(f"{where}: files may not list the manifest itself.")
-        ok = (
-            isinstance(entry, dict)
-            and set(entry) == {"bytes", "sha256"}
-            and isinstance(entry["bytes"], int)
-            and not isinstance(entry["bytes"], bool)
-            and 0 <= entry["bytes"] <= MAX_FILE_BYTES
-            and isinstance(entry["sha256"], list)
-            and len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
-            and all(isinstance(h, str) and _HEX.fullmatch(h) for h in entry["sha256"])
-        )
-        if not ok:
+        if len(entry["sha256"]) != max(1, -(-entry["bytes"] // CHUNK)):
             raise ArtifactError(f"{where}: files[{rel!r}] must be {{bytes, sha256 (one per 64 MiB)}}.")
     total = sum(e["bytes"] for e in files.values())
     if total > MAX_FILE_BYTES:

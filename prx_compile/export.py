@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.export import Dim
 
+from . import schema
+
 ACTIVATIONS = ("hidden_states", "timestep", "encoder_hidden_states", "attention_mask")
 
 
@@ -118,27 +120,22 @@ class ShapeRange:
     @classmethod
     def from_dict(cls, data: Any) -> ShapeRange:
         """Validated inverse of ``to_dict``; ValueError naming the field on bad data."""
-        if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
-            raise ValueError(f"shapes must have exactly the keys {sorted(cls.__dataclass_fields__)}")
         from .errors import excerpt
 
-        out: dict[str, Any] = {}
-        m = data["multiple"]
-        if not _small_int(m) or not 1 <= m <= 64:
-            raise ValueError(f"shapes.multiple={excerpt(m)} must be an integer from 1 to 64")
-        out["multiple"] = m
+        schema.check(_SHAPES, data, "shapes")  # types and bounds; the relations between fields below
+        out: dict[str, Any] = {"multiple": data["multiple"]}
+        m = out["multiple"]
         for key in ("batch", "height", "width", "text"):
-            v, top = data[key], _LIMITS[key]
-            ok = isinstance(v, list) and len(v) == 2 and all(_small_int(x) for x in v)
-            if not ok or not 1 <= v[0] <= v[1] <= top:
-                raise ValueError(f"shapes.{key}={excerpt(v)} must be [min, max] integers from 1 to {top}")
+            v = data[key]
+            if v[0] > v[1]:
+                raise ValueError(f"shapes.{key}={excerpt(v)} must be [min, max] with min <= max")
             if key in ("height", "width") and (v[0] % m or v[1] % m):
                 raise ValueError(f"shapes.{key}={excerpt(v)} must be multiples of {m}")
             out[key] = tuple(v)
         for key in ("opt_batch", "opt_height", "opt_width", "opt_text"):
             v = data[key]
             lo, hi = out[key[4:]]
-            if v is not None and not (_small_int(v) and lo <= v <= hi):
+            if v is not None and not lo <= v <= hi:
                 raise ValueError(f"shapes.{key}={excerpt(v)} must be null or an integer from {lo} to {hi}")
             if v is not None and key in ("opt_height", "opt_width") and v % m:
                 raise ValueError(f"shapes.{key}={v} must be a multiple of {m}")
@@ -197,8 +194,24 @@ _LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096}
 MAX_TOKENS = 2**20
 
 
-def _small_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 20
+def _shapes_schema() -> schema.Spec:
+    def pair(top: int):
+        return schema.Tuple(schema.Int(1, top), schema.Int(1, top))
+
+    def opt(top: int):
+        return schema.OneOf(schema.Null(), schema.Int(1, top))
+
+    return schema.Dict(
+        {
+            "multiple": schema.Int(1, 64),
+            **{k: pair(top) for k, top in _LIMITS.items()},
+            **{f"opt_{k}": opt(top) for k, top in _LIMITS.items()},
+        }
+    )
+
+
+#: a saved ShapeRange: each size an integer from 1 to its limit (``from_dict`` checks the rest)
+_SHAPES = _shapes_schema()
 
 
 def example_inputs(

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import fp8
+from . import fp8, schema
 from .errors import LoRAError, excerpt
 from .module import CompiledTransformer
 
@@ -468,35 +468,45 @@ def export_state(
     return dict(state.originals), tensors, {"adapters": adapters, "active": dict(state.active)}
 
 
+#: the LoRA record an artifact holds (``export_state``); the matrices are checked against the model
+_RECORD = schema.Dict(
+    {
+        "adapters": schema.Map(
+            schema.Str(64, pattern=_ADAPTER_NAME.pattern, what="an adapter name ([A-Za-z0-9_.-])"),
+            schema.Dict(
+                {
+                    "source": schema.Str(500),
+                    "layers": schema.Map(
+                        schema.Str(300), schema.Float(-MAX_LAYER_SCALE, MAX_LAYER_SCALE), max_len=100_000
+                    ),
+                }
+            ),
+            max_len=1000,
+        ),
+        "active": schema.Map(schema.Str(64), schema.Float(-MAX_SCALE, MAX_SCALE), max_len=1000),
+    }
+)
+
+
 def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, torch.Tensor]) -> None:
     """Load the adapters ``export_state`` saved into a transformer that holds the original weights,
     and activate them as they were. Raises LoRAError naming what is malformed (nothing changes)."""
-    if not isinstance(record, dict) or set(record) != {"adapters", "active"}:
-        raise LoRAError("the LoRA record must have exactly the keys ['active', 'adapters'].")
+    try:
+        schema.check(_RECORD, record, "the LoRA record")
+    except schema.SchemaError as e:
+        raise LoRAError(str(e)) from e
     adapters_data, active = record["adapters"], record["active"]
-    if (
-        not isinstance(adapters_data, dict)
-        or not isinstance(active, dict)
-        or not set(active) <= set(adapters_data)
-    ):
+    if not set(active) <= set(adapters_data):
         raise LoRAError("the LoRA record's adapters and active scales do not match.")
     _check_scales(list(active.values()))
     linears = _linear_names(transformer)
     adapters = {}
     for name, data in adapters_data.items():
-        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
-            raise LoRAError(f"adapter name {str(name)[:40]!r} is not allowed.")
-        if (
-            not isinstance(data, dict)
-            or set(data) != {"source", "layers"}
-            or not isinstance(data["layers"], dict)
-        ):
-            raise LoRAError(f"adapter {name!r}: the record must have exactly the keys ['layers', 'source'].")
         layers = {}
         for mod, scale in data["layers"].items():
-            lin = linears.get(mod) if isinstance(mod, str) else None
+            lin = linears.get(mod)
             down, up = tensors.get(f"{name}/{mod}/down"), tensors.get(f"{name}/{mod}/up")
-            if lin is None or down is None or up is None or not _finite_number(scale, MAX_LAYER_SCALE):
+            if lin is None or down is None or up is None:
                 raise LoRAError(f"adapter {name!r}: layer {str(mod)[:80]!r} is unknown or incomplete.")
             ok = (
                 down.dim() == 2
@@ -511,7 +521,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
                 raise LoRAError(f"adapter {name!r}: layer {mod} matrices do not fit or are not finite.")
             dev = lin.weight.device
             layers[mod] = LoRALayer(down.to(dev), up.to(dev), float(scale))
-        adapters[name] = Adapter(name, layers, [], str(data["source"])[:500])
+        adapters[name] = Adapter(name, layers, [], data["source"])
     state = _state(transformer)
     state.adapters.update(adapters)
     _apply(transformer, None, state, dict(active))

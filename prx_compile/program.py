@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import schema
 from .export import ACTIVATIONS
 
 aten = torch.ops.aten
@@ -103,6 +104,30 @@ _DTYPES = {
 }
 _MAX_DEPTH = 8
 _MAX_STEPS = 100_000
+
+
+_ARG = schema.Later("_check_arg")  # values and references: checked with the names they may use
+_STEP = schema.Dict(
+    {
+        "op": schema.Str(80),
+        "engine": schema.OneOf(
+            schema.Null(), schema.Str(100, pattern=_ENGINE.pattern, what="an engine name")
+        ),
+        "args": schema.List(_ARG, max_len=10_000),
+        "kwargs": schema.Map(
+            schema.Str(41, pattern=r"[a-z][a-z0-9_]{0,40}", what="a keyword name"), _ARG, 64
+        ),
+        "out": schema.Str(8, pattern=r"v[0-9]{1,7}", what="a result name v<n>"),
+    }
+)
+_PROGRAM = schema.Dict(
+    {
+        "inputs": schema.List(schema.Str(40, choices=tuple(ACTIVATIONS)), max_len=len(ACTIVATIONS)),
+        "steps": schema.List(_STEP, max_len=_MAX_STEPS),
+        "output": _ARG,
+        "segments": schema.Int(0, _MAX_STEPS),
+    }
+)
 
 
 class ProgramError(ValueError):
@@ -271,15 +296,11 @@ class Program:
         engines, params, constants: the names that exist (engine files, the transformer's parameter
         FQNs, saved constants). Every reference must name one of them or an earlier step's result.
         """
-        _keys(data, {"inputs", "steps", "output", "segments"}, "program")
-        inputs = data["inputs"]
-        if not isinstance(inputs, list) or not all(isinstance(n, str) and n in ACTIVATIONS for n in inputs):
-            raise ProgramError(f"program.inputs must be a list of {list(ACTIVATIONS)}")
-        if not _int(data["segments"]):
-            raise ProgramError("program.segments must be a non-negative integer")
-        steps_data = data["steps"]
-        if not isinstance(steps_data, list) or len(steps_data) > _MAX_STEPS:
-            raise ProgramError(f"program.steps must be a list of at most {_MAX_STEPS} steps")
+        try:  # the shape of every field; what the names refer to is checked below
+            schema.check(_PROGRAM, data, "program")
+        except schema.SchemaError as e:
+            raise ProgramError(str(e)) from e
+        inputs, steps_data = data["inputs"], data["steps"]
         known = {
             "in": set(inputs),
             "w": params,
@@ -289,24 +310,19 @@ class Program:
         steps = []
         for i, s in enumerate(steps_data):
             where = f"program.steps[{i}]"
-            _keys(s, {"op", "engine", "args", "kwargs", "out"}, where)
             op, engine, out = s["op"], s["engine"], s["out"]
             if op == "engine":
-                if not isinstance(engine, str) or not _ENGINE.fullmatch(engine) or engine not in engines:
+                if engine not in engines:
                     raise ProgramError(
                         f"{where}.engine={str(engine)[:80]!r} is not an engine of this artifact"
                     )
-            elif not isinstance(op, str) or op not in OPS or engine is not None:
+            elif op not in OPS or engine is not None:
                 raise ProgramError(f"{where}.op={str(op)[:80]!r} is not an allowed operator")
-            if not isinstance(s["args"], list) or not isinstance(s["kwargs"], dict):
-                raise ProgramError(f"{where}: args must be a list and kwargs a mapping")
-            if not all(isinstance(k, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,40}", k) for k in s["kwargs"]):
-                raise ProgramError(f"{where}.kwargs has a key that is not a keyword name")
             if op == "engine" and s["kwargs"]:
                 raise ProgramError(f"{where}: an engine takes no keyword arguments")
             for a in [*s["args"], *s["kwargs"].values()]:
                 _check_arg(a, known, defined, where, 0)
-            if not isinstance(out, str) or not re.fullmatch(r"v[0-9]{1,7}", out) or out in defined:
+            if out in defined:
                 raise ProgramError(f"{where}.out={str(out)[:80]!r} must be a new result name v<n>")
             defined.add(out)
             steps.append(Step(op, list(s["args"]), dict(s["kwargs"]), out, engine))
@@ -390,16 +406,6 @@ def _step_refs(a: Any) -> Iterator[str]:
         elif kind in ("list", "tuple"):
             for x in v:
                 yield from _step_refs(x)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _keys(d: Any, expected: set[str], where: str) -> None:
-    if not isinstance(d, dict) or set(d) != expected:
-        got = sorted(map(str, d))[:10] if isinstance(d, dict) else type(d).__name__
-        raise ProgramError(f"{where} must have exactly the keys {sorted(expected)} (got {got})")
 
 
 def _check_arg(a: Any, known: dict[str, set[str]], defined: set[str], where: str, depth: int) -> None:

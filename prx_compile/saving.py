@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import artifact, fp8, lora
+from . import artifact, fp8, lora, schema
 from .artifact import field
 from .backends import backend_class, make_backend
 from .config import DTYPES, CompileConfig
@@ -197,24 +198,25 @@ def _config(m: dict[str, Any], device: str | torch.device | None, backend: str |
         raise ArtifactError(f"manifest.config is malformed ({e}).") from e
 
 
-def _check_value(key: str, v: Any, default: Any) -> None:
-    """A PRX setting of the type its constructor default has (a None default: an int, ints, None)."""
+_SMALL_INT = schema.Int(1, 1 << 16)
 
-    def small_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 1 << 16
 
+def _value_spec(key: str, default: Any) -> schema.Spec:
+    """The schema of a PRX setting: the type its constructor default has (None: an int, ints, None)."""
     if isinstance(default, bool):
-        ok = isinstance(v, bool)
-    elif isinstance(default, int):
-        ok = small_int(v) and (key != "depth" or v <= 256)
-    elif isinstance(default, float):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1e9  # no OverflowError
-    else:  # axes_dim, bottleneck_size: None by default
-        ok = (
-            v is None or small_int(v) or (isinstance(v, list) and 0 < len(v) <= 16 and all(map(small_int, v)))
-        )
-    if not ok:
-        raise ArtifactError(f"manifest.model.config.{key}={excerpt(v, 60)} is not an allowed value.")
+        return schema.Bool()
+    if isinstance(default, int):
+        return schema.Int(1, 256) if key == "depth" else _SMALL_INT
+    if isinstance(default, float):
+        return schema.Float(math.ulp(0.0), 1e9)  # positive, and no OverflowError downstream
+    return schema.OneOf(schema.Null(), _SMALL_INT, schema.List(_SMALL_INT, max_len=16, min_len=1))
+
+
+def _check_value(key: str, v: Any, default: Any) -> None:
+    try:
+        schema.check(_value_spec(key, default), v, f"manifest.model.config.{key}")
+    except schema.SchemaError as e:
+        raise ArtifactError(f"manifest.model.config.{key}={excerpt(v, 60)} is not an allowed value.") from e
 
 
 def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:

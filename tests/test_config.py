@@ -135,7 +135,7 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
     )
 
 
-def test_range_linears_keys_the_engine_cache_of_range_sets_only(monkeypatch):
+def test_range_and_static_linears_each_key_the_engine_cache_of_their_sets_only(monkeypatch):
     from types import SimpleNamespace
 
     from prx_compile import artifact, cache
@@ -151,7 +151,9 @@ def test_range_linears_keys_the_engine_cache_of_range_sets_only(monkeypatch):
         return cache.cache_key(backend, {})
 
     assert key(rng) != key(rng, range_linears="tensorrt")
-    assert key(static) == key(static, range_linears="tensorrt")  # static sets: GEMMs in TensorRT either way
+    assert key(static) == key(static, range_linears="tensorrt")  # range_linears: range sets only
+    assert key(static) != key(static, static_linears="tensorrt")
+    assert key(rng) == key(rng, static_linears="tensorrt")  # static_linears: static sets only
     assert key(rng, weights="engine") == key(rng, weights="engine", range_linears="tensorrt")
 
 

@@ -66,11 +66,13 @@ def test_saved_provenance_is_validated():
     "shapes,overrides,in_torch",
     [
         (ShapeRange((1, 2), (64, 128), (64, 128), (1, 256)), {}, True),
-        (ShapeRange.static(2, 128, 128, 256), {}, False),  # a static set: GEMMs fused in TensorRT
+        (ShapeRange.static(2, 128, 128, 256), {}, True),  # static_linears: torch, the default
+        (ShapeRange.static(2, 128, 128, 256), {"static_linears": "tensorrt"}, False),  # fused in TensorRT
+        (ShapeRange.static(2, 128, 128, 256), {"range_linears": "tensorrt"}, True),  # each switch its sets
         (ShapeRange((1, 2), (64, 128), (64, 128), (1, 256)), {"range_linears": "tensorrt"}, False),
     ],
 )
-def test_range_sets_leave_their_linears_to_pytorch(monkeypatch, shapes, overrides, in_torch):
+def test_linears_go_to_pytorch_as_range_and_static_linears_say(monkeypatch, shapes, overrides, in_torch):
     monkeypatch.setattr(trt_shim, "compile_settings", lambda required, optional: {**optional, **required})
     monkeypatch.setattr(tensorrt, "_cuda_device", str)  # no CUDA on this machine
     backend = TensorRTBackend.__new__(TensorRTBackend)  # settings() only: no Torch-TensorRT needed

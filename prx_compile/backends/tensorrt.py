@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .. import progress
+from .. import progress, schema
 from ..errors import ArtifactError, LoRAError, PRXCompileError
 from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import ENGINE_RULES, lower
@@ -215,17 +215,12 @@ class TensorRTBackend(Backend):
 
     @classmethod
     def from_state(cls, model, config, shapes, state: BackendState) -> TensorRTBackend:
-        meta = state.meta
-        keys = {"kind", "weights", "program", "engines", "provenance"}
-        if not isinstance(meta, dict) or set(meta) != keys or meta["kind"] != cls.kind:
-            raise ValueError(f"a tensorrt backend state has exactly the keys {sorted(keys)}")
+        meta = schema.check(_STATE, state.meta, "tensorrt backend state")
+        if meta["kind"] != cls.kind:
+            raise ValueError(f"a backend state of kind {meta['kind']!r} is not a {cls.kind!r} one")
         if meta["weights"] != config.weights:
             raise ValueError(f"weights={meta['weights']!r} does not match the config's {config.weights!r}")
         records = meta["engines"]
-        if not isinstance(records, dict) or not all(
-            isinstance(n, str) and _NAME.fullmatch(n) for n in records
-        ):
-            raise ValueError("engines must map engine names ([A-Za-z0-9_]) to records")
         params = set(weight_tensors(model))
         provenance = _check_provenance(meta["provenance"], params)
         program = Program.from_json(
@@ -236,8 +231,7 @@ class TensorRTBackend(Backend):
             raise ValueError(f"unexpected files {sorted(extra)[:3]}")
         backend = cls(model, config, shapes)
         device = _cuda_device(config.device)
-        for name, rec in records.items():
-            trt_shim.check_engine_record(rec)
+        for name in records:
             if f"{name}.engine" not in state.blobs:
                 raise ValueError(f"engine {name!r} has no .engine file")
         backend._pending = _Pending(records, state.blobs, device)  # deserialised at first use
@@ -406,17 +400,32 @@ def _cuda_device(name: str) -> torch.device:
     return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+_PROVENANCE_ENTRY = schema.Tuple(schema.Str(299), schema.Str(1, choices=("id", "t")))
+
+
 def _check_provenance(data: Any, params: set[str]) -> dict[str, tuple[str, str]]:
-    if not isinstance(data, dict):
-        raise ValueError("provenance must be a mapping")
-    out = {}
-    for k, v in data.items():
-        ok = isinstance(k, str) and len(k) < 300 and isinstance(v, list) and len(v) == 2
-        ok = ok and all(isinstance(x, str) for x in v)
-        if not ok or v[0] not in params or v[1] not in ("id", "t"):
-            raise ValueError(f"provenance entry {str(k)[:80]!r} is malformed")
-        out[k] = (v[0], v[1])
-    return out
+    """Engine constant name -> (the parameter it holds, "id" or "t" for transposed)."""
+    schema.check(schema.Map(schema.Str(299), _PROVENANCE_ENTRY, max_len=100_000), data, "provenance")
+    for k, (param, _) in data.items():
+        if param not in params:
+            raise schema.SchemaError(f"provenance[{k[:80]!r}]", "a parameter of this model", param)
+    return {k: (v[0], v[1]) for k, v in data.items()}
+
+
+#: a saved backend state's record (the program and provenance are checked by their own readers)
+_STATE = schema.Dict(
+    {
+        "kind": schema.Str(40),
+        "weights": schema.Str(20),
+        "program": schema.Later("Program.from_json"),
+        "engines": schema.Map(
+            schema.Str(100, pattern=_NAME.pattern, what="an engine name ([A-Za-z0-9_])"),
+            trt_shim.ENGINE_RECORD,
+            max_len=10_000,
+        ),
+        "provenance": schema.Map(schema.Str(299), _PROVENANCE_ENTRY, max_len=100_000),
+    }
+)
 
 
 def _match_constant(

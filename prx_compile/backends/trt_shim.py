@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import schema
 from ..errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -220,36 +221,8 @@ def engine_record(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def check_engine_record(rec: Any) -> dict[str, Any]:
-    """Validate a saved engine record (ValueError naming the field)."""
-    keys = {"inputs", "outputs", "weight_name_map", "requires_output_allocator", "outputs_unowned"}
-    if not isinstance(rec, dict) or set(rec) != keys:
-        raise ValueError(f"an engine record has exactly the keys {sorted(keys)}")
-    for key in ("inputs", "outputs"):
-        v = rec[key]
-        if (
-            not isinstance(v, list)
-            or len(v) > 10_000
-            or not all(isinstance(n, str) and _BINDING.fullmatch(n) for n in v)
-        ):
-            raise ValueError(f"engine record {key} must be a list of binding names")
-    wmap = rec["weight_name_map"]
-    if not isinstance(wmap, dict) or len(wmap) > 100_000:
-        raise ValueError("engine record weight_name_map must be a mapping")
-    for k, v in wmap.items():
-        ok = (
-            isinstance(k, str)
-            and len(k) < 500
-            and isinstance(v, list)
-            and len(v) == 2
-            and all(isinstance(x, str) and len(x) < 300 for x in v)
-            and _dtype_name(v[1]) is not None
-        )
-        if not ok:
-            raise ValueError(f"engine record weight_name_map entry {k[:80]!r} is malformed")
-    for key in ("requires_output_allocator", "outputs_unowned"):
-        if not isinstance(rec[key], bool):
-            raise ValueError(f"engine record {key} must be true or false")
-    return rec
+    """Validate a saved engine record (``schema.SchemaError``, a ValueError naming the field)."""
+    return schema.check(ENGINE_RECORD, rec, "engine record")
 
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32", "int64", "bool")
@@ -258,6 +231,25 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32", "int64", "boo
 def _dtype_name(name: str) -> str | None:
     short = name.split(".")[-1]
     return short if short in _DTYPE_NAMES else None
+
+
+_NAMES = schema.List(schema.Str(200, pattern=_BINDING.pattern, what="a binding name"), max_len=10_000)
+ENGINE_RECORD = schema.Dict(
+    {
+        "inputs": _NAMES,
+        "outputs": _NAMES,
+        "weight_name_map": schema.Map(
+            schema.Str(499),
+            schema.Tuple(
+                schema.Str(299),
+                schema.Str(299, test=lambda s: _dtype_name(s) is not None, what="a dtype name"),
+            ),
+            max_len=100_000,
+        ),
+        "requires_output_allocator": schema.Bool(),
+        "outputs_unowned": schema.Bool(),
+    }
+)
 
 
 def engine_module(
