@@ -22,7 +22,7 @@ from prx_compile import ArtifactError, compile_prx, inspect_artifact, load_compi
 from prx_compile.artifact import CHUNK, FORMAT_VERSION, MANIFEST, _chunk_hashes
 from prx_compile.lora import load_lora, make_random_lora, summary, unload_lora
 from prx_compile.saving import LORA, WEIGHTS, check_compatible
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
 
@@ -590,7 +590,7 @@ def test_every_malformed_field_is_an_artifact_error(saved, tmp_path):
 WORKER = textwrap.dedent("""
     import json, sys, torch
     from prx_compile import compile_prx, save_compiled
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
     from prx_compile.export import example_inputs
     mode, path = sys.argv[1], sys.argv[2]
     model = make_prx()

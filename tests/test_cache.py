@@ -11,7 +11,7 @@ import pytest
 from prx_compile import ArtifactError, compile_prx
 from prx_compile.artifact import MANIFEST
 from prx_compile.cache import SHARED_ENV
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
 

@@ -144,7 +144,10 @@ def test_tiny_builds_a_bf16_preset_and_generates_from_it(tmp_path):
 def test_generate_from_a_saved_pipeline_folder(tmp_path):
     """A PRXPipeline written by save_pretrained loads back (diffusers' own from_pretrained cannot,
     with transformers 5: see README, Limits), compiles and generates."""
-    code = "import sys; from prx_compile.testing import tiny_pipeline as t; t().save_pretrained(sys.argv[1])"
+    code = (
+        "import sys; from prx_compile.tools.testing import tiny_pipeline as t;"
+        " t().save_pretrained(sys.argv[1])"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "prx")], check=True, capture_output=True)
     args = ["generate", "--checkpoint", str(tmp_path / "prx"), "--prompt", "a cat", "--steps", "1"]
     args += ["--out-dir", str(tmp_path / "o"), "--config", str(tmp_path / "c.yaml"), "--no-binning"]
@@ -162,8 +165,8 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
 def test_binning_that_changes_the_size_says_so(capsys):
     """Binning maps the tiny saved pipeline's 32x32 to a 512-px bin: one line names the size used
     (the build itself is left out here: the eager step at 512² on a 1x VAE takes minutes)."""
-    from prx_compile.cli import _warm_up
-    from prx_compile.testing import tiny_pipeline
+    from prx_compile.tools.cli import _warm_up
+    from prx_compile.tools.testing import tiny_pipeline
 
     pipe = tiny_pipeline()
     built = []

@@ -140,7 +140,7 @@ def test_range_linears_keys_the_engine_cache_of_range_sets_only(monkeypatch):
 
     from prx_compile import artifact, cache
     from prx_compile.export import ShapeRange
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
 
     monkeypatch.setattr(artifact, "versions", lambda with_tensorrt: {})  # no Torch-TensorRT here
     model = make_prx()

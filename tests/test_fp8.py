@@ -8,9 +8,9 @@ import torch
 
 from prx_compile import CompileConfig, ConfigError, compile_prx, fp8, load_compiled, save_compiled
 from prx_compile._kernels import row_quant_fp8_torch
-from prx_compile.bench import rel_err
 from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from prx_compile import ConfigError, generate_images
-from prx_compile.generate import image_name, shares
+from prx_compile import ConfigError
+from prx_compile.tools.generate import generate_images, image_name, shares
 
 CMD = [shutil.which("prx-compile")] if shutil.which("prx-compile") else [sys.executable, "-m", "prx_compile"]
 # words of the tiny tokenizer's vocabulary; 7 prompts: 2 ranks take 4 and 3
@@ -120,8 +120,9 @@ def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference):
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from prx_compile import compile_prx, generate_images
-    from prx_compile.testing import tiny_pipeline
+    from prx_compile import compile_prx
+    from prx_compile.tools.generate import generate_images
+    from prx_compile.tools.testing import tiny_pipeline
 
     class FailsOnRobots:
         '''The tiny pipeline, except that a prompt with "robot" raises (as a CUDA error or OOM would).'''
@@ -223,7 +224,13 @@ def test_shares_and_names_do_not_depend_on_the_process_count():
 
 
 def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
-    from prx_compile.generate import STATUS_DIR, _read_json, _remove_old_runs, _status_root, _valid_record
+    from prx_compile.tools.generate import (
+        STATUS_DIR,
+        _read_json,
+        _remove_old_runs,
+        _status_root,
+        _valid_record,
+    )
 
     good = {
         "kind": "rank",
@@ -265,7 +272,7 @@ def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
 
 # -- issue 26: prompts split on "\n" alone, only regular PNGs, records only from this run ----------
 def test_prompts_file_is_split_on_newlines_alone(tmp_path):
-    from prx_compile.cli import CLIError, read_prompts
+    from prx_compile.tools.cli import CLIError, read_prompts
 
     f = tmp_path / "p.txt"
     f.write_bytes("a\x0cb\nc\x1cd\r\ne\x85f\u2028g\n\n  h  \r\n".encode())
@@ -279,7 +286,7 @@ def test_prompts_file_is_split_on_newlines_alone(tmp_path):
 def test_only_regular_png_files_count_as_images(tmp_path):
     from PIL import Image
 
-    from prx_compile.generate import _finished
+    from prx_compile.tools.generate import _finished
 
     out = tmp_path / "o"
     out.mkdir()
@@ -301,7 +308,7 @@ def test_only_regular_png_files_count_as_images(tmp_path):
 
 
 def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, caplog):
-    from prx_compile.generate import _coordinate, _JobBar
+    from prx_compile.tools.generate import _coordinate, _JobBar
 
     token = "0123456789abcdef0123456789abcdef"
     record = {
@@ -321,7 +328,7 @@ def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, capl
         json.dumps({**record, "rank": 1, "token": "f" * 32})
     )  # another run's
     (tmp_path / "rank-2.json").write_text(json.dumps({**record, "rank": 2, "written": [], "token": token}))
-    with caplog.at_level("WARNING", logger="prx_compile.generate"):
+    with caplog.at_level("WARNING", logger="prx_compile.tools.generate"):
         records, ended, _ = _coordinate(
             ["a", "b", "c"],
             ["000-a.png", "001-b.png", "002-c.png"],

@@ -9,7 +9,7 @@ from prx_compile.backends.repeats import SharedEngines, structure_key
 from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import LINEAR, PRX_ATTENTION
-from prx_compile.testing import TINY_PRX, make_prx
+from prx_compile.tools.testing import TINY_PRX, make_prx
 
 from .conftest import RANGE, eager, prx_inputs
 
