@@ -5,6 +5,7 @@ Each layout check runs on the checkout and on a copy of the package with a viola
 files, and must find that violation."""
 
 import ast
+import functools
 import os
 import shutil
 import subprocess
@@ -28,13 +29,17 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
+#: a planted copy of the package parses only the files it changed
+_parse = functools.cache(ast.parse)
+
+
 def imports_of(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
     """prx_compile modules that ``path`` imports anywhere (functions included), by an import statement or
     by ``importlib.import_module("...")`` with a constant name."""
     me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
