@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from prx_compile import compile_prx, progress
-from prx_compile.bench import Case, environment, rel_err, time_cuda
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import Case, environment, rel_err, time_cuda
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 SHAPES = [Case((1024, 1024), 2), Case((1024, 1024), 1), Case((832, 1216), 2)]
 MISS = Case((1024, 1024), 4)

@@ -46,9 +46,18 @@ from pathlib import Path
 import torch
 
 from prx_compile import compile_prx, load_lora, save_compiled, set_lora, unload_lora
-from prx_compile.bench import PATHS, Case, compile_path, environment, rel_err, run_bench, table, time_cuda
 from prx_compile.lora import make_random_lora
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import (
+    PATHS,
+    Case,
+    compile_path,
+    environment,
+    rel_err,
+    run_bench,
+    table,
+    time_cuda,
+)
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 T0 = time.time()
 
@@ -286,7 +295,7 @@ def fp8_pipeline(out: Path, cache: str) -> None:
     import diffusers.pipelines.prx.pipeline_prx as pipeline_prx
     from diffusers import FlowMatchEulerDiscreteScheduler, PRXPipeline
 
-    from prx_compile.testing import tiny_text_encoder, tiny_tokenizer
+    from prx_compile.tools.testing import tiny_text_encoder, tiny_tokenizer
 
     if not hasattr(pipeline_prx, "ftfy"):  # the pipeline's text cleaning calls ftfy when it is absent
         pipeline_prx.ftfy = types.SimpleNamespace(fix_text=lambda text: text)  # our prompt is plain ASCII

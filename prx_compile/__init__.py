@@ -2,8 +2,9 @@
 
     pipe.transformer = compile_prx(pipe.transformer)
 
-``generate_images`` makes PNGs from prompts in one process or many (accelerate). The public API is
-this module's ``__all__``.
+The public API is this module's ``__all__``. The applications built on it (the ``prx-compile``
+command, ``prx_compile.tools.generate.generate_images``, the benchmark harness, the pipeline loader and
+the test fixtures) live in ``prx_compile.tools``, which the library never imports.
 """
 
 from . import ops  # noqa: F401  (registers torch.ops.prx_compile.*)
@@ -17,7 +18,6 @@ from .errors import (
     PRXCompileError,
     ShapeOutOfRangeError,
 )
-from .generate import generate_images
 from .lora import load_lora, set_lora, unload_lora
 from .module import CompiledTransformer, compile_prx
 from .saving import artifact_digest, inspect_artifact, load_compiled, save_compiled
@@ -31,7 +31,6 @@ __all__ = [
     "artifact_digest",
     "load_compiled",
     "inspect_artifact",
-    "generate_images",
     "load_lora",
     "set_lora",
     "unload_lora",

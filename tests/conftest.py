@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prx_compile.export import ShapeRange, example_inputs, export_prx
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
 

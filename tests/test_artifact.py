@@ -22,7 +22,7 @@ from prx_compile import ArtifactError, compile_prx, inspect_artifact, load_compi
 from prx_compile.artifact import CHUNK, FORMAT_VERSION, MANIFEST, _chunk_hashes
 from prx_compile.lora import load_lora, make_random_lora, summary, unload_lora
 from prx_compile.saving import LORA, WEIGHTS, check_compatible
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
 
@@ -590,56 +590,59 @@ def test_every_malformed_field_is_an_artifact_error(saved, tmp_path):
 WORKER = textwrap.dedent("""
     import json, sys, torch
     from prx_compile import compile_prx, save_compiled
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
     from prx_compile.export import example_inputs
-    mode, path = sys.argv[1], sys.argv[2]
+    artifact, cache = sys.argv[1], sys.argv[2]
     model = make_prx()
     rng = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1,
                static=True, specialize=[[16, 16, 2]])
     kw = example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5)
-    if mode == "save":
-        ct = compile_prx(model, backend="eager", **rng)
-        ct(**kw, return_dict=False)
-        save_compiled(ct, path)
-        print(json.dumps({"ok": True}))
-    else:
-        ct = compile_prx(model, backend="eager", engine_cache_dir=path, **rng)
-        out = ct(**kw, return_dict=False)[0]
-        print(json.dumps({"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum())}))
+    ct = compile_prx(model, backend="eager", **rng)  # 1. both write the same artifact
+    ct(**kw, return_dict=False)
+    save_compiled(ct, artifact)
+    ct = compile_prx(model, backend="eager", engine_cache_dir=cache, **rng)  # 2. both fill one cache
+    out = ct(**kw, return_dict=False)[0]
+    print(json.dumps({"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum())}))
 """)
 
 
-def _spawn(mode, path, n=2):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Two processes started together, each saving the same artifact to one path, then building the
+    same engine set through one engine cache: (folder, [each process's cache result])."""
+    root = tmp_path_factory.mktemp("two")
+    (root / "writers").mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [str(root / "writers" / "art"), str(root / "cache")]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, mode, str(path)],
+            [sys.executable, "-c", WORKER, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for _ in range(n)
+        for _ in range(2)
     ]
     outs = []
     for p in procs:
         so, se = p.communicate(timeout=300)
         assert p.returncode == 0, se[-2000:]
         outs.append(json.loads(so.strip().splitlines()[-1]))
-    return outs
+    return root, outs
 
 
-def test_concurrent_writers_leave_a_valid_artifact(tmp_path):
-    _spawn("save", tmp_path / "art")
-    load_compiled(tmp_path / "art")  # verifies every hash
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["art"]
+def test_concurrent_writers_leave_a_valid_artifact(two_processes):
+    root, _ = two_processes
+    load_compiled(root / "writers" / "art")  # verifies every hash
+    assert [p.name for p in (root / "writers").iterdir() if not p.name.startswith(".")] == ["art"]
 
 
-def test_engine_cache_shared_by_two_processes(tmp_path):
-    results = _spawn("cache", tmp_path / "cache")
+def test_engine_cache_shared_by_two_processes(two_processes):
+    root, results = two_processes
     assert sorted(r["hit"] for r in results) == [False, True]  # built once, loaded once
     assert results[0]["sum"] == results[1]["sum"]
-    entries = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    entries = [p for p in (root / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(entries) == 1 and (entries[0] / MANIFEST).is_file()
 
 

@@ -4,6 +4,7 @@ documented way to share a cache between users."""
 
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from prx_compile import ArtifactError, compile_prx
 from prx_compile.artifact import MANIFEST
 from prx_compile.cache import SHARED_ENV
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
 
@@ -28,13 +29,25 @@ def run(cache):
     return ct, ct.cache_hits[0]["load_s"] is not None
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A cache holding one entry, and that entry."""
-    monkeypatch.delenv(SHARED_ENV, raising=False)
-    ct, hit = run(tmp_path / "cache")
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache holding one entry, built once: (cache, entry name)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SHARED_ENV, raising=False)
+        root = tmp_path_factory.mktemp("built") / "cache"
+        ct, hit = run(root)
     assert not hit
-    return tmp_path / "cache", tmp_path / "cache" / ct.cache_hits[0]["key"]
+    return root, ct.cache_hits[0]["key"]
+
+
+@pytest.fixture
+def cache(built_cache, tmp_path, monkeypatch):
+    """A copy of that cache (modes kept: copytree copies them) for a test to change, and its entry."""
+    monkeypatch.delenv(SHARED_ENV, raising=False)
+    root, key = built_cache
+    copy = shutil.copytree(root, tmp_path / "cache", symlinks=True)
+    assert stat.S_IMODE(os.stat(copy).st_mode) == stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    return copy, copy / key
 
 
 def give_away(path, monkeypatch, fake=False):

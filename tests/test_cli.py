@@ -1,4 +1,7 @@
-"""The prx-compile command, through real subprocesses, as a newcomer runs it on a CPU machine."""
+"""The prx-compile command as a newcomer runs it on a CPU machine: ``main(argv)`` in this process
+(``tests/_cli.py``), what it prints and the files it writes. Real processes: ``python -m prx_compile``
+here, the console script in the README's shell blocks (``tests/test_readme.py``) and in
+``tests/test_generate.py``, whose ``--num-processes`` workers are ``python -m prx_compile`` too."""
 
 import json
 import shutil
@@ -7,11 +10,9 @@ import sys
 
 import pytest
 
-CMD = [shutil.which("prx-compile")] if shutil.which("prx-compile") else [sys.executable, "-m", "prx_compile"]
+from prx_compile import PRXCompileError
 
-
-def run(*args, timeout=600, cwd=None):
-    return subprocess.run(CMD + list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+from ._cli import run_cli as run
 
 
 def one_line_error(r, message, code=2):
@@ -33,9 +34,18 @@ def test_help_with_defaults(sub):
         assert "(default: 10)" in text and "default: tensorrt on a GPU, eager otherwise" in text
 
 
-def test_version_and_module_entry_point():
-    r = subprocess.run([sys.executable, "-m", "prx_compile", "--version"], capture_output=True, text=True)
+def test_version():
+    r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("prx-compile 0.")
+
+
+def test_module_entry_point_runs_the_command():
+    """``python -m prx_compile`` (prx_compile/__main__.py, the one library file that imports tools/) is
+    the command, in a process of its own."""
+    r = subprocess.run(
+        [sys.executable, "-m", "prx_compile", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.startswith("prx-compile 0."), r.stderr
 
 
 def test_demo_names_what_runs_and_matches_eager():
@@ -90,15 +100,23 @@ def test_generate_tiny_to_png(tmp_path):
     assert "3/3 images in" in r.stdout
 
 
-def test_build_inspect_then_generate_with_defaults(tmp_path):
-    art = tmp_path / "t.art"
-    r = run("build", "--tiny", "--out", str(art))  # a CPU: the eager backend, as --help says
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory):
+    """``prx-compile build --tiny`` once for the tests that read the artifact: (path, what build said).
+    A test that changes the artifact changes a copy."""
+    art = tmp_path_factory.mktemp("cli") / "t.art"
+    r = run("build", "--tiny", "--out", art)  # a CPU: the eager backend, as --help says
     assert r.returncode == 0, r.stderr
+    return art, r
+
+
+def test_build_inspect_then_generate_with_defaults(tiny_artifact, tmp_path):
+    art, r = tiny_artifact
     assert "backend eager" in r.stdout and "engine set: batch 2, latent 32x32" in r.stdout
-    r = run("inspect", str(art))
+    r = run("inspect", art)
     assert r.returncode == 0, r.stderr
     assert "backend      eager" in r.stdout and "sizes and sha256 verified" in r.stdout
-    r = run("inspect", "--json", str(art))
+    r = run("inspect", "--json", art)
     assert json.loads(r.stdout)["format_version"] == 2
     r = run(
         "generate",
@@ -113,8 +131,9 @@ def test_build_inspect_then_generate_with_defaults(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o" / "000-a-cat.png").is_file()
-    (art / "weights.safetensors").unlink()
-    one_line_error(run("inspect", str(art)), "weights.safetensors is missing")
+    broken = shutil.copytree(art, tmp_path / "broken.art")
+    (broken / "weights.safetensors").unlink()
+    one_line_error(run("inspect", str(broken)), "weights.safetensors is missing")
 
 
 def test_tiny_builds_a_bf16_preset_and_generates_from_it(tmp_path):
@@ -144,8 +163,9 @@ def test_tiny_builds_a_bf16_preset_and_generates_from_it(tmp_path):
 def test_generate_from_a_saved_pipeline_folder(tmp_path):
     """A PRXPipeline written by save_pretrained loads back (diffusers' own from_pretrained cannot,
     with transformers 5: see README, Limits), compiles and generates."""
-    code = "import sys; from prx_compile.testing import tiny_pipeline as t; t().save_pretrained(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "prx")], check=True, capture_output=True)
+    from prx_compile.tools.testing import tiny_pipeline
+
+    tiny_pipeline().save_pretrained(tmp_path / "prx")
     args = ["generate", "--checkpoint", str(tmp_path / "prx"), "--prompt", "a cat", "--steps", "1"]
     args += ["--out-dir", str(tmp_path / "o"), "--config", str(tmp_path / "c.yaml"), "--no-binning"]
     r = run(*args, "--height", "32", "--width", "32")
@@ -162,8 +182,8 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
 def test_binning_that_changes_the_size_says_so(capsys):
     """Binning maps the tiny saved pipeline's 32x32 to a 512-px bin: one line names the size used
     (the build itself is left out here: the eager step at 512² on a 1x VAE takes minutes)."""
-    from prx_compile.cli import _warm_up
-    from prx_compile.testing import tiny_pipeline
+    from prx_compile.tools.cli import _warm_up
+    from prx_compile.tools.testing import tiny_pipeline
 
     pipe = tiny_pipeline()
     built = []
@@ -240,8 +260,10 @@ def test_bad_arguments_exit_2_without_a_traceback(args):
 
 
 def test_debug_shows_the_traceback():
-    r = run("--debug", "inspect", "/no/such/artifact")
-    assert r.returncode != 0 and "Traceback" in r.stderr
+    """--debug lets the error out of main(), so the interpreter prints its traceback (without --debug:
+    one line, exit 2, as test_errors_are_one_line_with_a_hint checks for the same command)."""
+    with pytest.raises(PRXCompileError, match="no such directory"):
+        run("--debug", "inspect", "/no/such/artifact")
 
 
 def test_bench_tiny_measures_every_path(tmp_path):
@@ -279,10 +301,8 @@ def test_a_huge_argument_is_echoed_as_a_bounded_excerpt(args):
     assert "'99999999" in r.stderr and "...999" in r.stderr
 
 
-def test_build_prints_a_digest_that_inspect_shows_and_generate_checks(tmp_path):
-    art = tmp_path / "tiny.artifact"
-    r = run("build", "--tiny", "--out", str(art), "--quiet")
-    assert r.returncode == 0, r.stderr
+def test_build_prints_a_digest_that_inspect_shows_and_generate_checks(tiny_artifact, tmp_path):
+    art, r = tiny_artifact
     digest = next(w for w in r.stdout.split() if w.startswith("sha256:"))
     assert len(digest) == 71
     r = run("inspect", str(art))
@@ -295,3 +315,4 @@ def test_build_prints_a_digest_that_inspect_shows_and_generate_checks(tmp_path):
     one_line_error(run(*base, "--tiny", "--digest", digest), "--digest pins an artifact")
     r = run(*base, "--artifact", str(art), "--digest", digest)
     assert r.returncode == 0, r.stderr
+    assert (tmp_path / "o" / "000-a-cat.png").is_file()

@@ -140,7 +140,7 @@ def test_range_and_static_linears_each_key_the_engine_cache_of_their_sets_only(m
 
     from prx_compile import artifact, cache
     from prx_compile.export import ShapeRange
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
 
     monkeypatch.setattr(artifact, "versions", lambda with_tensorrt: {})  # no Torch-TensorRT here
     model = make_prx()

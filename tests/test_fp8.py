@@ -8,9 +8,9 @@ import torch
 
 from prx_compile import CompileConfig, ConfigError, compile_prx, fp8, load_compiled, save_compiled
 from prx_compile._kernels import row_quant_fp8_torch
-from prx_compile.bench import rel_err
 from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs
 
@@ -206,7 +206,7 @@ def test_config_and_cache_key():
 
 
 def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):
-    from .test_cli import run
+    from ._cli import run_cli as run
 
     r = run("build", "--tiny", "--precision", "fp8", "--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr
@@ -238,14 +238,23 @@ def test_weights_edited_in_place_are_requantised_at_the_next_call():
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(other, kw), rtol=0, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def fp8_artifact(tmp_path_factory):
+    """An fp8 artifact of the tiny model, saved once; a test edits a copy."""
+    path = tmp_path_factory.mktemp("fp8") / "a"
+    save_compiled(compile_prx(make_prx(), backend="eager", precision="fp8", **RANGE), path)
+    return path
+
+
 @pytest.mark.parametrize("bad", [{"precision": 7}, {"precision": "int4"}, {"weights": "engine"}])
-def test_an_edited_precision_in_a_manifest_is_an_artifact_error(tmp_path, bad):
+def test_an_edited_precision_in_a_manifest_is_an_artifact_error(fp8_artifact, tmp_path, bad):
     import json
+    import shutil
 
     from prx_compile import ArtifactError
 
-    ct = compile_prx(make_prx(), backend="eager", precision="fp8", **RANGE)
-    save_compiled(ct, tmp_path / "a")
+    load_compiled(fp8_artifact, device="cpu")  # as saved, it loads
+    shutil.copytree(fp8_artifact, tmp_path / "a")
     manifest = tmp_path / "a" / "manifest.json"
     data = json.loads(manifest.read_text())
     data["config"].update(bad)

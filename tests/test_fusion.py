@@ -11,11 +11,11 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_prx import apply_rope
 
 from prx_compile import compile_prx
-from prx_compile.bench import max_abs_err, rel_err
 from prx_compile.export import example_inputs, export_prx
 from prx_compile.fusion import FusedPRXAttnProcessor, fused_attention_processors
 from prx_compile.ops import PRX_ATTENTION, qk_norm_rope_torch
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import max_abs_err, rel_err
+from prx_compile.tools.testing import make_prx
 
 RANGE = dict(batch=[1, 2], text_len=[1, 12], resolution=128, aspect_bins=[], device="cpu")
 

@@ -4,7 +4,6 @@ that does not stop the others, and one-line errors for bad input."""
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,10 +12,11 @@ import time
 
 import pytest
 
-from prx_compile import ConfigError, generate_images
-from prx_compile.generate import image_name, shares
+from prx_compile import ConfigError
+from prx_compile.tools.generate import generate_images, image_name, shares
 
-CMD = [shutil.which("prx-compile")] if shutil.which("prx-compile") else [sys.executable, "-m", "prx_compile"]
+from ._cli import run_cli
+
 # words of the tiny tokenizer's vocabulary; 7 prompts: 2 ranks take 4 and 3
 PROMPTS = [
     "a red car on the moon",
@@ -36,11 +36,16 @@ def work(tmp_path_factory):
     return d
 
 
-def run(work, *args, env=None, timeout=180):
-    """prx-compile generate on the tiny model (2 steps), sharing one engine cache in ``work``."""
-    full_env = {**os.environ, "PRX_COMPILE_CACHE": str(work / "engines"), **(env or {})}
-    cmd = CMD + ["generate", "--prompts-file", str(work / "prompts.txt"), "--steps", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+def generate_args(work, *args):
+    return ["generate", "--prompts-file", str(work / "prompts.txt"), "--steps", "2", *args]
+
+
+def run(work, *args, env=None):
+    """prx-compile generate on the tiny model (2 steps), sharing one engine cache in ``work``: main() in
+    this process (``--num-processes`` starts its workers as real processes all the same)."""
+    return run_cli(
+        *generate_args(work, *args), env={"PRX_COMPILE_CACHE": str(work / "engines"), **(env or {})}
+    )
 
 
 def pngs(folder):
@@ -58,11 +63,15 @@ def reference(work):
     return images
 
 
-def test_two_processes_write_the_same_pngs_as_one(work, reference):
+def test_two_processes_write_the_same_pngs_as_one(work, reference, capfd):
+    """The launcher in this process, its two workers real processes (python -m prx_compile); the
+    README's shell block runs the same through the console script and compares a PNG with cmp."""
     out = work / "two"
     fresh_cache = {"PRX_COMPILE_CACHE": str(work / "engines-two")}
     r = run(work, "--num-processes", "2", "--out-dir", str(out), env=fresh_cache)
-    assert r.returncode == 0, r.stderr
+    workers = capfd.readouterr().err
+    assert r.returncode == 0, r.stderr + workers
+    assert "Traceback" not in r.stderr + workers
     assert pngs(out) == reference  # byte for byte
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["processes"], summary["images"], summary["written"], summary["missing"]) == (2, 7, 7, [])
@@ -80,6 +89,7 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference):
     # one engine cache on the host: whichever rank came first built the engine set, the other loaded it
     assert sorted((r["engine_builds"], r["engine_cache_loads"]) for r in ranks) == [(0, 1), (1, 0)]
     # one progress report for the job (the coordinator's), none from the workers; the summary on stdout
+    assert not [line for line in workers.splitlines() if line.startswith("prx-compile: ")], workers
     progress_lines = [line for line in r.stderr.splitlines() if line.startswith("prx-compile: ")]
     assert progress_lines, r.stderr
     assert all(line.startswith("prx-compile: generate: ") for line in progress_lines), r.stderr
@@ -88,14 +98,17 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference):
     assert sorted(p.name for p in out.iterdir()) == sorted([*reference, "summary.json"])  # no leftovers
 
 
-def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference):
+def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference, capfd):
+    """The launcher in this process, its workers real processes (their stderr is this process's fd 2)."""
     out = work / "killed"
     t0 = time.monotonic()
     r = run(work, "--num-processes", "2", "--out-dir", str(out), env={"PRX_COMPILE_TEST_KILL_RANK": "1"})
     assert time.monotonic() - t0 < 120  # no hang
-    assert r.returncode == 1, r.stderr
+    workers = capfd.readouterr().err
+    assert r.returncode == 1, r.stderr + workers
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("prx-compile: error: 3 of 7 images are missing") and "Traceback" not in r.stderr
+    assert last.startswith("prx-compile: error: 3 of 7 images are missing"), r.stderr
+    assert "Traceback" not in r.stderr + workers
     summary = json.loads((out / "summary.json").read_text())
     assert [m["index"] for m in summary["missing"]] == [4, 5, 6]  # exactly rank 1's prompts
     assert [m["prompt"] for m in summary["missing"]] == PROMPTS[4:]
@@ -107,7 +120,7 @@ def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference):
     assert sorted(kept) == sorted(list(reference)[:4])
 
     r = run(work, "--num-processes", "2", "--out-dir", str(out))  # --resume is the default
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + capfd.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["written"], summary["skipped"], summary["missing"]) == (3, 4, [])
     rank0, rank1 = summary["ranks"]
@@ -120,8 +133,9 @@ def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference):
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    from prx_compile import compile_prx, generate_images
-    from prx_compile.testing import tiny_pipeline
+    from prx_compile import compile_prx
+    from prx_compile.tools.generate import generate_images
+    from prx_compile.tools.testing import tiny_pipeline
 
     class FailsOnRobots:
         '''The tiny pipeline, except that a prompt with "robot" raises (as a CUDA error or OOM would).'''
@@ -188,7 +202,7 @@ def test_api_under_a_torchrun_style_launch_a_failing_prompt_does_not_stop_the_ot
 
 
 def test_help_says_how_seeds_are_chosen_and_bad_input_is_one_line(work, tmp_path):
-    r = subprocess.run(CMD + ["generate", "--help"], capture_output=True, text=True, timeout=60)
+    r = run_cli("generate", "--help")
     text = " ".join(r.stdout.split())
     assert "image i (the prompt's index) uses seed + i, whatever the process count" in text
     assert "--num-processes N" in text and "--no-resume" in text and "accelerate launch" in text
@@ -196,11 +210,11 @@ def test_help_says_how_seeds_are_chosen_and_bad_input_is_one_line(work, tmp_path
         (["--num-processes", "0"], "--num-processes 0: must be 1 or more"),
         (["--num-processes", "2", "--prompts-file", str(tmp_path / "none.txt")], "none.txt does not exist"),
     ):
-        r = run(work, *args, "--out-dir", str(tmp_path / "o"), timeout=60)
+        r = run(work, *args, "--out-dir", str(tmp_path / "o"))
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 2 and last.startswith("prx-compile: error:") and message in last, r.stderr
         assert "Traceback" not in r.stderr
-    r = subprocess.run(CMD + ["generate", "--num-processes", "2"], capture_output=True, text=True, timeout=60)
+    r = run_cli("generate", "--num-processes", "2")
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("prx-compile: error: no prompt given"), r.stderr
     with pytest.raises(ConfigError, match="no prompt given"):
@@ -223,7 +237,13 @@ def test_shares_and_names_do_not_depend_on_the_process_count():
 
 
 def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
-    from prx_compile.generate import STATUS_DIR, _read_json, _remove_old_runs, _status_root, _valid_record
+    from prx_compile.tools.generate import (
+        STATUS_DIR,
+        _read_json,
+        _remove_old_runs,
+        _status_root,
+        _valid_record,
+    )
 
     good = {
         "kind": "rank",
@@ -265,7 +285,7 @@ def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
 
 # -- issue 26: prompts split on "\n" alone, only regular PNGs, records only from this run ----------
 def test_prompts_file_is_split_on_newlines_alone(tmp_path):
-    from prx_compile.cli import CLIError, read_prompts
+    from prx_compile.tools.cli import CLIError, read_prompts
 
     f = tmp_path / "p.txt"
     f.write_bytes("a\x0cb\nc\x1cd\r\ne\x85f\u2028g\n\n  h  \r\n".encode())
@@ -279,7 +299,7 @@ def test_prompts_file_is_split_on_newlines_alone(tmp_path):
 def test_only_regular_png_files_count_as_images(tmp_path):
     from PIL import Image
 
-    from prx_compile.generate import _finished
+    from prx_compile.tools.generate import _finished
 
     out = tmp_path / "o"
     out.mkdir()
@@ -301,7 +321,7 @@ def test_only_regular_png_files_count_as_images(tmp_path):
 
 
 def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, caplog):
-    from prx_compile.generate import _coordinate, _JobBar
+    from prx_compile.tools.generate import _coordinate, _JobBar
 
     token = "0123456789abcdef0123456789abcdef"
     record = {
@@ -321,7 +341,7 @@ def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, capl
         json.dumps({**record, "rank": 1, "token": "f" * 32})
     )  # another run's
     (tmp_path / "rank-2.json").write_text(json.dumps({**record, "rank": 2, "written": [], "token": token}))
-    with caplog.at_level("WARNING", logger="prx_compile.generate"):
+    with caplog.at_level("WARNING", logger="prx_compile.tools.generate"):
         records, ended, _ = _coordinate(
             ["a", "b", "c"],
             ["000-a.png", "001-b.png", "002-c.png"],

@@ -7,7 +7,7 @@ import stat
 
 from PIL import Image
 
-from prx_compile.generate import _write_json, write_png
+from prx_compile.tools.generate import _write_json, write_png
 
 
 def test_pngs_and_summaries_take_the_umask(tmp_path):
@@ -26,7 +26,7 @@ def test_pngs_and_summaries_take_the_umask(tmp_path):
 
 
 def test_the_job_line_says_stopped_when_interrupted(capsys):
-    from prx_compile.generate import _JobBar
+    from prx_compile.tools.generate import _JobBar
 
     bar = _JobBar(3, 0, enabled=True)  # not a terminal here: one line at the end
     bar.update(1)

@@ -1,11 +1,19 @@
-"""The package's shape: no import cycles, the public API, and presets that ship inside the wheel."""
+"""The package's shape: the library apart from its tools (it never imports prx_compile.tools, the test
+fixtures included), no import cycles, the public API, and a wheel that ships the presets and the command.
+
+Each layout check runs on the checkout and on a copy of the package with a violation planted in its
+files, and must find that violation."""
 
 import ast
+import functools
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+import pytest
 
 import prx_compile
 
@@ -13,20 +21,25 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "prx_compile"
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """prx_compile modules that ``path`` imports anywhere (functions included)."""
-    me = module_name(path)
+#: a planted copy of the package parses only the files it changed
+_parse = functools.cache(ast.parse)
+
+
+def imports_of(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
+    """prx_compile modules that ``path`` imports anywhere (functions included), by an import statement or
+    by ``importlib.import_module("...")`` with a constant name."""
+    me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -37,17 +50,27 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
             else:
                 mod = node.module or ""
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and (ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__"))
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            targets = [node.args[0].value]
         else:
             continue
+        # "import prx_compile.tools.cli" also names its packages; the deepest module is the one imported
         found |= {t for t in targets if t in modules and t != me}
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """prx_compile module -> the prx_compile modules it imports (anywhere in it)."""
-    files = sorted(PKG.rglob("*.py"))
-    modules = {module_name(f) for f in files}
-    return {module_name(f): imports_of(f, modules) for f in files}
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """prx_compile module -> the prx_compile modules it imports (anywhere in it), read from the files
+    under ``root`` (the checkout, or a planted copy of its package)."""
+    files = sorted((root / "prx_compile").rglob("*.py"))
+    modules = {module_name(f, root) for f in files}
+    return {module_name(f, root): imports_of(f, modules, root) for f in files}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -65,24 +88,68 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return [c for m in graph if (c := cycle_from(m))]
 
 
-#: what only the tools (the CLI and the benchmark harness) may import: the test fixtures
-FIXTURES = {"prx_compile.testing"}
-TOOLS = {"prx_compile.cli", "prx_compile.bench", "prx_compile.__main__", "prx_compile.testing"}
+#: the applications (the CLI, generate, the benchmark harness, the pipeline loader, the test fixtures)
+TOOLS = "prx_compile.tools"
+#: the one file outside tools/ that may import them: ``python -m prx_compile`` runs the CLI
+ENTRY_POINT = "prx_compile.__main__"
 
 
-def fixture_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(library module, what it imports) for every import of the fixtures or the tools outside the tools."""
+def is_tool(name: str) -> bool:
+    return name == TOOLS or name.startswith(TOOLS + ".")
+
+
+def is_fixture(name: str) -> bool:
+    """The test fixtures, wherever a module of that name is put (tools/testing.py today)."""
+    return name.rpartition(".")[2] == "testing"
+
+
+def library(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The library's part of the graph: every module outside tools/, less the entry point."""
+    return {m: t for m, t in graph.items() if not is_tool(m) and m != ENTRY_POINT}
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(library module, what it imports) for every import of the tools or of the fixtures by the library."""
     return sorted(
-        (m, t) for m, targets in graph.items() if m not in TOOLS for t in targets if t in FIXTURES | TOOLS
+        (m, t) for m, targets in library(graph).items() for t in targets if is_tool(t) or is_fixture(t)
     )
 
 
-def test_no_import_cycles():
+def library_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    lib = library(graph)
+    return cycles({m: {t for t in targets if t in lib} for m, targets in lib.items()})
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """plant({path: code}) -> the import graph of a copy of the package with each ``code`` added to its
+    ``path`` (a file under prx_compile/, created if missing): the checks read real files, as on the
+    checkout."""
+
+    def plant(files: dict[str, str]) -> dict[str, set[str]]:
+        root = tmp_path / f"tree{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(PKG, root / "prx_compile", ignore=shutil.ignore_patterns("__pycache__"))
+        for path, code in files.items():
+            target = root / "prx_compile" / path
+            target.write_text((target.read_text() if target.exists() else "") + "\n" + code + "\n")
+        return import_graph(root)
+
+    return plant
+
+
+def test_no_import_cycles(planted):
     graph = import_graph()
     assert graph["prx_compile.module"] >= {"prx_compile.backends", "prx_compile.config"}
-    assert not cycles(graph), cycles(graph)[0]
-    planted = {**graph, "prx_compile.config": graph["prx_compile.config"] | {"prx_compile.module"}}
-    assert cycles(planted)  # the check sees a cycle when there is one
+    assert graph["prx_compile.saving"] >= {"prx_compile.module", "prx_compile.artifact"}
+    assert not library_cycles(graph), library_cycles(graph)[0]
+    assert not cycles(graph), cycles(graph)[0]  # the tools too
+    # planted: config imports module (which imports config), lazily inside a function, as a cycle hides
+    bad = planted({"config.py": "def _planted():\n    from .module import CompiledTransformer"})
+    assert ["prx_compile.config", "prx_compile.module", "prx_compile.config"] in library_cycles(bad)
+    # planted: a longer one through a subpackage: lowering.linear -> saving -> module -> ... -> lowering
+    bad = planted({"lowering/linear.py": "from ..saving import save_compiled"})
+    cycle = next(c for c in library_cycles(bad) if c[0] == "prx_compile.lowering.linear")
+    assert cycle[1] == "prx_compile.saving" and cycle[-1] == "prx_compile.lowering.linear"
 
 
 def test_public_api():
@@ -94,24 +161,49 @@ def test_public_api():
         "load_lora",
         "set_lora",
         "unload_lora",
-        "generate_images",
     ):
         assert name in prx_compile.__all__ and callable(getattr(prx_compile, name))
+    # generate_images is a tool now: prx_compile.tools.generate.generate_images
+    assert "generate_images" not in prx_compile.__all__ and not hasattr(prx_compile, "generate_images")
+    from prx_compile.tools.generate import generate_images
+
+    assert callable(generate_images)
 
 
-def test_the_library_never_imports_the_test_fixtures_or_the_tools():
+def test_the_library_never_imports_the_tools_or_the_fixtures(planted):
     graph = import_graph()
-    assert fixture_imports(graph) == []
-    assert "prx_compile.testing" in graph["prx_compile.cli"]  # the CLI's --tiny model: allowed there
-    planted = {**graph, "prx_compile.module": graph["prx_compile.module"] | {"prx_compile.testing"}}
-    assert fixture_imports(planted) == [("prx_compile.module", "prx_compile.testing")]
-    planted = {**graph, "prx_compile.saving": graph["prx_compile.saving"] | {"prx_compile.cli"}}
-    assert fixture_imports(planted) == [("prx_compile.saving", "prx_compile.cli")]
+    assert forbidden_imports(graph) == []
+    assert len(library(graph)) > 30 and "prx_compile" in library(graph)  # the checks see the library
+    # the tools import the library and each other; the entry point imports the CLI: allowed there only
+    assert "prx_compile.tools.testing" in graph["prx_compile.tools.cli"]  # the CLI's --tiny model
+    assert graph[ENTRY_POINT] == {"prx_compile.tools.cli"}
+    dynamic = "import importlib\nimportlib.import_module('prx_compile.tools.pipeline')"
+    for files, found in (
+        # a function-level import of the fixtures, as a helper would add it
+        (
+            {"module.py": "def _planted():\n    from .tools.testing import make_prx"},
+            "prx_compile.tools.testing",
+        ),
+        # __init__ exporting a tool again (what generate_images was)
+        ({"__init__.py": "from .tools.generate import generate_images"}, "prx_compile.tools.generate"),
+        ({"__init__.py": "from . import tools"}, "prx_compile.tools"),
+        ({"lowering/linear.py": "from ..tools import bench"}, "prx_compile.tools.bench"),
+        ({"saving.py": "import prx_compile.tools.cli"}, "prx_compile.tools.cli"),
+        ({"backends/tensorrt.py": dynamic}, "prx_compile.tools.pipeline"),
+        # a copy of the entry point under another name is library code, not the entry point
+        ({"entry.py": "from .tools.cli import main"}, "prx_compile.tools.cli"),
+        # the fixtures put back into the library (the old prx_compile/testing.py), and imported there
+        ({"testing.py": "", "cache.py": "from .testing import make_prx"}, "prx_compile.testing"),
+    ):
+        where = [p for p, code in files.items() if code][0]
+        mod = module_name(PKG / where)
+        assert forbidden_imports(planted(files)) == [(mod, found)], (files, forbidden_imports(planted(files)))
 
 
-def test_the_wheel_ships_the_presets(tmp_path):
+def test_the_wheel_ships_the_presets_and_the_command(tmp_path):
     """Build the wheel, install it into a fresh virtual environment outside the checkout (the
-    dependencies come from this environment), and resolve every preset there."""
+    dependencies come from this environment), and resolve every preset there; the wheel's console
+    script is the CLI in tools/, and ``import prx_compile`` loads none of the tools."""
     dist = tmp_path / "dist"
     subprocess.run(
         [
@@ -147,10 +239,16 @@ def test_the_wheel_ships_the_presets(tmp_path):
     deps = sysconfig.get_paths()["purelib"]  # torch, diffusers, ... of this environment, after the wheel
     Path(site, "deps.pth").write_text(deps + "\n")
     code = (
-        "import prx_compile, sys\n"
+        "import importlib.metadata, prx_compile, sys\n"
+        "tools = [m for m in sys.modules if m.startswith('prx_compile.tools')]\n"
+        "assert not tools, f'import prx_compile loaded {tools}'\n"
         "from prx_compile import CompileConfig\n"
         "from prx_compile.config import list_presets\n"
         "assert prx_compile.__file__.startswith(sys.argv[1]), prx_compile.__file__\n"
+        "dist = importlib.metadata.distribution('prx_compile')\n"
+        "assert str(dist.locate_file('')).startswith(sys.argv[1]), dist.locate_file('')\n"
+        "(main,) = [e.load() for e in dist.entry_points if e.name == 'prx-compile']  # the console script\n"
+        "assert main.__module__ == 'prx_compile.tools.cli' and main.__name__ == 'main', main\n"
         "names = list_presets(); assert 'prx-1024-bf16' in names, names\n"
         "print(len([CompileConfig.resolve(n) for n in names]))"
     )

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from prx_compile import LoRAError, compile_prx
 from prx_compile.lora import load_lora, make_random_lora, set_lora, summary, unload_lora
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs
 
@@ -274,7 +274,7 @@ def test_non_strict_reports_unmatched_keys():
 
 
 def test_pipeline_helper():
-    from prx_compile.testing import tiny_pipeline
+    from prx_compile.tools.testing import tiny_pipeline
 
     pipe = tiny_pipeline()
     load_lora(pipe, make_random_lora(pipe.transformer, 4), "p")

@@ -12,7 +12,7 @@ from prx_compile import (
     ShapeOutOfRangeError,
     compile_prx,
 )
-from prx_compile.testing import make_prx, tiny_pipeline
+from prx_compile.tools.testing import make_prx, tiny_pipeline
 
 from .conftest import eager, prx_inputs
 

@@ -13,8 +13,8 @@ import torch
 
 from prx_compile import CompiledTransformer, ConfigError, compile_prx, load_lora
 from prx_compile.lora import make_random_lora
-from prx_compile.pipeline import load_pipeline
-from prx_compile.testing import make_prx, tiny_pipeline
+from prx_compile.tools.pipeline import load_pipeline
+from prx_compile.tools.testing import make_prx, tiny_pipeline
 
 from .conftest import eager, prx_inputs
 

@@ -15,7 +15,7 @@ from prx_compile.export import ShapeRange, export_prx
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import PRX_ATTENTION
 from prx_compile.program import OPS, Program, ProgramError, from_graph_module
-from prx_compile.testing import make_prx
+from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs
 

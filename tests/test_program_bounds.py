@@ -183,7 +183,7 @@ def test_saved_shape_ranges_are_bounded_and_consistent():
 def test_a_set_too_large_for_the_device_is_refused_before_its_first_call():
     from prx_compile.export import ShapeRange
     from prx_compile.saving import check_memory
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
 
     model = make_prx()  # hidden 64, fp32
     small = ShapeRange.static(2, 16, 16, 16)

@@ -1,6 +1,8 @@
 """Repeated pieces: the partitions of a PRX step between its attention ops key alike exactly when
 they compute the same thing, and ``SharedEngines`` converts each distinct one once."""
 
+import functools
+
 import pytest
 import torch
 from torch.fx.passes.split_module import split_module
@@ -9,19 +11,27 @@ from prx_compile.backends.repeats import SharedEngines, structure_key
 from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import LINEAR, PRX_ATTENTION
-from prx_compile.testing import TINY_PRX, make_prx
+from prx_compile.tools.testing import TINY_PRX, make_prx
 
 from .conftest import RANGE, eager, prx_inputs
 
 DEPTH = 4
 
 
+@functools.cache
+def _exported(depth: int, seed: int):
+    """(model, ExportedProgram) of the tiny PRX at ``depth``, exported once for every test here (the
+    export does not depend on the lowering settings; each use lowers a fresh ``ep.module()``)."""
+    model = make_prx({**TINY_PRX, "depth": depth}, seed=seed)
+    ep, _ = export_prx(model, prx_inputs(model), RANGE, weights="inputs", fuse_attention=True)
+    return model, ep
+
+
 def partitions(settings: LoweringSettings, depth: int = DEPTH, seed: int = 0):
     """The tiny PRX's lowered step (weights as inputs) cut the way Torch-TensorRT cuts it: each op
     kept in PyTorch alone, the runs between them one partition each. Returns (model, root, [(name,
     partition)]) with only the runs (what would become engines), in graph order."""
-    model = make_prx({**TINY_PRX, "depth": depth}, seed=seed)
-    ep, _ = export_prx(model, prx_inputs(model), RANGE, weights="inputs", fuse_attention=True)
+    model, ep = _exported(depth, seed)
     gm = lower(ep.module(), settings)
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)  # torch.export's input guards (not in what Torch-TensorRT partitions)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from prx_compile import fp8
 from prx_compile._kernels import gelu_mul_quant_fp8, row_quant_fp8
-from prx_compile.bench import environment, rel_err, time_cuda
+from prx_compile.tools.bench import environment, rel_err, time_cuda
 
 M, HIDDEN, MLP = 8192, 1792, 7168
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from prx_compile import compile_prx
-from prx_compile.bench import Case
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import Case
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 
 def memory() -> dict[str, float]:

@@ -14,9 +14,9 @@ import tempfile
 
 import torch
 
-from prx_compile.bench import Case, compile_path, run_bench, table
 from prx_compile.config import CompileConfig
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import Case, compile_path, run_bench, table
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 
 def main(out: str) -> None:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from prx_compile import compile_prx, load_compiled, load_lora, save_compiled, set_lora, unload_lora
-from prx_compile.bench import Case, rel_err
 from prx_compile.lora import make_random_lora
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import Case, rel_err
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 from .test_tensorrt import eager
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from prx_compile import _kernels, compile_prx
-from prx_compile.bench import rel_err
 from prx_compile.ops import prx_attention, qk_norm_rope_torch
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
 from .test_tensorrt import TOL, eager, inputs

@@ -14,9 +14,9 @@ from prx_compile import (
     set_lora,
     unload_lora,
 )
-from prx_compile.bench import rel_err
 from prx_compile.lora import make_random_lora
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
 from .test_tensorrt import eager, inputs

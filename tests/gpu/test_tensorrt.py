@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from prx_compile import ShapeOutOfRangeError, compile_prx
-from prx_compile.bench import rel_err
 from prx_compile.export import example_inputs
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
 

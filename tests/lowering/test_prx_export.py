@@ -42,7 +42,7 @@ def test_fixtures_are_not_degenerate(exported):
 
 def test_fold_fixture_exports_im2col_and_col2im():
     from prx_compile.export import export_prx
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
 
     model = make_prx(patchify="fold")
     ep, _ = export_prx(model, prx_inputs(model))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: component -> {class name in model_index.json: how to import it}; nothing else is resolved.
 COMPONENTS: dict[str, dict[str, tuple[str, str]]] = {

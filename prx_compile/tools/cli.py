@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ._version import __version__
-from .errors import PRXCompileError, excerpt, one_line
+from .._version import __version__
+from ..errors import PRXCompileError, excerpt, one_line
 
 EXIT_USAGE, EXIT_ERROR = 2, 1
 #: The largest integer argument (--steps, --height, ...): larger ones are typing errors.
@@ -70,7 +70,7 @@ def _torch_dtype(args, config=None):
 def _config(args, backend: str, device: str | None = None):
     """The CompileConfig of --config (or the tiny model's defaults) with --backend and the device
     (``device``, else cuda when there is a GPU)."""
-    from .config import CompileConfig
+    from ..config import CompileConfig
 
     overrides = {"backend": backend, "device": _device() if backend == "tensorrt" else "cpu"}
     if backend != "tensorrt" and _cuda():
@@ -147,9 +147,9 @@ def cmd_demo(args) -> int:
     """Tiny non-degenerate PRX: what the pipeline rewrites, the error against eager, warm timings."""
     import torch
 
-    from . import compile_prx
+    from .. import compile_prx
+    from ..export import example_inputs, export_prx
     from .bench import max_abs_err, rel_err, time_cuda
-    from .export import example_inputs, export_prx
     from .testing import TINY_PRX, make_prx
 
     backend = _backend(args)
@@ -212,8 +212,8 @@ def cmd_demo(args) -> int:
 
 def cmd_build(args) -> int:
     """Compile a PRX transformer and write an artifact (weights, engine sets, manifest)."""
-    from . import compile_prx, save_compiled
-    from .artifact import check_target
+    from .. import compile_prx, save_compiled
+    from ..artifact import check_target
 
     check_target(Path(args.out), "artifact")  # before minutes of building: is the output usable?
     backend = _backend(args)
@@ -225,7 +225,7 @@ def cmd_build(args) -> int:
     path = save_compiled(ct, args.out)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
     print(f"wrote {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s: {_summary_line(ct)}")
-    from .saving import artifact_digest
+    from ..saving import artifact_digest
 
     print(f"  digest: {artifact_digest(path)}  (publish it; load with --digest or digest=)")
     for b in ct.backends:
@@ -291,7 +291,7 @@ def _warm_up(pipe, height: int, width: int, guidance: float, binning: bool) -> N
     once (CUDA graph capture, first-call kernel set-up), so that generation starts warm."""
     import torch
 
-    from .export import example_inputs
+    from ..export import example_inputs
 
     if binning:  # the pipeline maps the size to its closest aspect bin first
         from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
@@ -334,7 +334,7 @@ def _pipeline_factory(args):
     def factory(device):
         from accelerate import PartialState
 
-        from . import compile_prx, load_compiled
+        from .. import compile_prx, load_compiled
         from .generate import CACHE_ENV, default_engine_cache, default_size
 
         backend = _backend(args)
@@ -508,8 +508,8 @@ def cmd_bench(args) -> int:
 
 def cmd_inspect(args) -> int:
     """A summary of an artifact (versions, GPU, engine sets, LoRA, files, hashes verified)."""
-    from .artifact import open_artifact
-    from .saving import KIND, inspect_artifact
+    from ..artifact import open_artifact
+    from ..saving import KIND, inspect_artifact
 
     if args.json:
         print(json.dumps(open_artifact(args.path, kind=KIND, verify=not args.no_verify).manifest, indent=1))
@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         import warnings
 
         warnings.filterwarnings("ignore")
-    from . import progress
+    from .. import progress
 
     try:
         with progress.reporting(not args.quiet):

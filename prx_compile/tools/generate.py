@@ -1,7 +1,8 @@
 """Prompts to PNG files in one or many processes (one per GPU, on one machine or several), with accelerate.
 
-    from prx_compile import compile_prx, generate_images
-    from prx_compile.pipeline import load_pipeline
+    from prx_compile import compile_prx
+    from prx_compile.tools.generate import generate_images
+    from prx_compile.tools.pipeline import load_pipeline
 
     def make_pipe(device):                       # called once per process, with its device
         pipe = load_pipeline("path/to/prx", torch_dtype=torch.bfloat16).to(device)
@@ -62,9 +63,9 @@ from typing import Any
 
 import torch
 
-from . import progress
-from .artifact import write_atomic
-from .errors import ConfigError, excerpt
+from .. import progress
+from ..artifact import write_atomic
+from ..errors import ConfigError, excerpt
 
 logger = logging.getLogger(__name__)
 

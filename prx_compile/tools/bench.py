@@ -92,7 +92,7 @@ class Case:
             raise ValueError(f"Case.mask={self.mask!r} is not one of {MASKS}")
 
     def inputs(self, config: Any, dtype: torch.dtype, device: str, seed: int = 0):
-        from .export import example_inputs
+        from ..export import example_inputs
 
         h, w = (r // self.vae_scale_factor for r in self.resolution)
         kw = example_inputs(config, self.batch, h, w, self.text_len, dtype=dtype, device=device, seed=seed)
@@ -144,7 +144,7 @@ def environment() -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         try:
-            from .backends import trt_shim
+            from ..backends import trt_shim
 
             env.update(trt_shim.versions())
         except Exception as e:  # no TensorRT here: say so in the file
@@ -161,12 +161,12 @@ def compile_path(config: Any = None, **overrides: Any) -> Factory:
     """A compile_prx path: ``compile_prx(model, config=config, **overrides)``. With ``precision:
     fp8`` it compiles a copy of the model (FP8 quantises the block linears in place), so the paths
     after it still run the original."""
-    from .config import CompileConfig
+    from ..config import CompileConfig
 
     fp8 = CompileConfig.resolve(config, **overrides).precision == "fp8"
 
     def make(model):
-        from .module import compile_prx
+        from ..module import compile_prx
 
         return compile_prx(copy.deepcopy(model) if fp8 else model, config=config, **overrides)
 
@@ -181,7 +181,7 @@ def _torchao_fp8(model):
     scales) on the same block linears as ``precision: fp8``, on a copy of the model."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    from .fp8 import TARGETS
+    from ..fp8 import TARGETS
 
     model = copy.deepcopy(model)
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
@@ -195,7 +195,7 @@ _torchao_fp8.dtype = "fp8"
 
 
 def _mttm(model):
-    from .backends import trt_shim
+    from ..backends import trt_shim
 
     return trt_shim.torch_tensorrt().MutableTorchTensorRTModule(model, strict=False)
 
