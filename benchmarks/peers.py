@@ -26,9 +26,9 @@ import json
 
 import torch
 
-from prx_compile.bench import Case, compile_path, run_bench, table
 from prx_compile.fp8 import TARGETS
-from prx_compile.testing import FULL_PRX, make_prx
+from prx_compile.tools.bench import Case, compile_path, run_bench, table
+from prx_compile.tools.testing import FULL_PRX, make_prx
 
 SHAPES = [Case((1024, 1024), 2), Case((1024, 1024), 1), Case((832, 1216), 2)]
 

@@ -6,9 +6,9 @@ import torch
 
 from prx_compile import _fp8_attention as fa
 from prx_compile import ops
-from prx_compile.bench import rel_err
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_FP8
+from prx_compile.tools.bench import rel_err
 
 
 def case(b=2, lq=150, la=40, lb=150, h=3, d=32, kept=(25, 1), sharp=1.0, seed=0):

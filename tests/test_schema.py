@@ -90,7 +90,7 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
 
 def test_a_hostile_lora_record_is_a_lora_error_naming_the_field():
     from prx_compile.lora import restore_state
-    from prx_compile.testing import make_prx
+    from prx_compile.tools.testing import make_prx
 
     model = make_prx()
     for bad, where in [

@@ -7,8 +7,8 @@ import torch
 
 from prx_compile import _fp8_attention as fa
 from prx_compile import compile_prx, ops
-from prx_compile.bench import rel_err
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import RANGE, SMALL_PRX
 from .test_tensorrt import eager, inputs

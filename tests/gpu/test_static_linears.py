@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from prx_compile import compile_prx, load_compiled, load_lora, save_compiled
-from prx_compile.bench import rel_err
 from prx_compile.lora import make_random_lora
-from prx_compile.testing import make_prx
+from prx_compile.tools.bench import rel_err
+from prx_compile.tools.testing import make_prx
 
 from .conftest import SMALL_PRX
 from .test_tensorrt import TOL, eager, inputs
