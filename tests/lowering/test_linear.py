@@ -41,14 +41,16 @@ def test_every_linear_becomes_the_torch_op_and_the_step_is_exact(exported):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
-def test_off_by_default_and_for_pytorch_backends_and_static_sets(exported):
+def test_off_by_default_for_pytorch_backends_and_where_the_switches_say(exported):
     _, ep, _ = exported
     assert LINEAR not in targets(lower(ep.module()))
     cfg = CompileConfig(device="cpu")
     static = ShapeRange.static(2, 16, 16, 12)
     assert cfg.lowering(RANGE).linears_in_torch
     assert not cfg.lowering().linears_in_torch  # a PyTorch backend: inductor keeps aten.linear
-    assert not cfg.lowering(static).linears_in_torch  # a static set keeps its GEMMs in TensorRT
+    assert cfg.lowering(static).linears_in_torch  # static_linears: torch, the default
+    assert not cfg.replace(static_linears="tensorrt").lowering(static).linears_in_torch
+    assert cfg.replace(static_linears="tensorrt").lowering(RANGE).linears_in_torch
     assert not cfg.replace(range_linears="tensorrt").lowering(RANGE).linears_in_torch
     assert not cfg.replace(weights="engine").lowering(RANGE).linears_in_torch  # engines own weights
 
