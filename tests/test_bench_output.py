@@ -6,7 +6,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from prx_compile import bench  # noqa: E402
+from prx_compile.tools import bench  # noqa: E402
 
 
 def result(gpu=None):
