@@ -1,11 +1,13 @@
-"""The prx-compile command run in the test process: ``main(argv)`` as the console script calls it.
+"""The prx-compile command run in the test process: ``main(argv)``, as the console script calls it.
 
-A real process costs seconds of imports (torch, diffusers, transformers) before the command starts; the
-suite runs the command in-process wherever the process boundary is not what a test is about. The tests
-of the boundary itself run real processes: the console script (``tests/test_readme.py``, the README's
-shell blocks, and ``tests/test_generate.py``'s launcher), ``python -m prx_compile``
-(``tests/test_cli.py::test_module_entry_point_runs_the_command``, and every ``--num-processes`` worker),
-and several processes of one job (``tests/test_generate.py``).
+A new process spends seconds on imports (torch, diffusers, transformers) before the command starts, so
+the suite runs the command in-process wherever the process boundary is not what a test is about: the
+CLI tests, the README's shell blocks (``tests/test_readme.py``: their ``prx-compile`` lines) and
+generate's launcher. Real processes where it is: the console script
+(``tests/test_cli.py::test_console_script_runs_the_command``), ``python -m prx_compile``
+(``tests/test_cli.py::test_module_entry_point_runs_the_command`` and every worker that a
+``--num-processes`` launcher starts), several processes of one job (``tests/test_generate.py``, the
+README's two-process block) and of one engine cache (``tests/test_artifact.py``), the notebooks' kernels.
 """
 
 from __future__ import annotations

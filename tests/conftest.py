@@ -1,5 +1,6 @@
 """Shared CPU fixtures: tiny non-degenerate PRX transformers and their exported graphs."""
 
+import gc
 import logging
 
 import pytest
@@ -9,6 +10,13 @@ from prx_compile.export import ShapeRange, example_inputs, export_prx
 from prx_compile.tools.testing import make_prx
 
 RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
+
+
+def pytest_collection_finish(session):
+    """The modules every test imported (torch, diffusers, ...) are never garbage: keep the cyclic
+    collector off them, and collect less often (exports make many short-lived objects)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 @pytest.fixture(autouse=True)

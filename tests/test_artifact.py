@@ -587,49 +587,80 @@ def test_every_malformed_field_is_an_artifact_error(saved, tmp_path):
 
 
 # -- two processes -----------------------------------------------------------------------------
-WORKER = textwrap.dedent("""
+#: what each of the two processes does: this one (the test's) and a new one, in step
+STEPS = textwrap.dedent("""
     import json, sys, torch
     from prx_compile import compile_prx, save_compiled
     from prx_compile.tools.testing import make_prx
     from prx_compile.export import example_inputs
-    artifact, cache = sys.argv[1], sys.argv[2]
-    model = make_prx()
-    rng = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1,
+    RNG = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1,
                static=True, specialize=[[16, 16, 2]])
-    kw = example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5)
-    ct = compile_prx(model, backend="eager", **rng)  # 1. both write the same artifact
-    ct(**kw, return_dict=False)
-    save_compiled(ct, artifact)
-    ct = compile_prx(model, backend="eager", engine_cache_dir=cache, **rng)  # 2. both fill one cache
-    out = ct(**kw, return_dict=False)[0]
-    print(json.dumps({"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum())}))
+
+    def prepare():
+        model = make_prx()
+        return model, example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5)
+
+    def save(model, kw, artifact):  # 1. both write the same artifact
+        ct = compile_prx(model, backend="eager", **RNG)
+        ct(**kw, return_dict=False)
+        save_compiled(ct, artifact)
+
+    def fill(model, kw, cache):  # 2. both build one engine set through one engine cache
+        ct = compile_prx(model, backend="eager", engine_cache_dir=cache, **RNG)
+        out = ct(**kw, return_dict=False)[0]
+        return {"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum())}
+""")
+WORKER = STEPS + textwrap.dedent("""
+    model, kw = prepare()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    save(model, kw, sys.argv[1])
+    print("saved", flush=True)
+    sys.stdin.readline()
+    print(json.dumps(fill(model, kw, sys.argv[2])), flush=True)
 """)
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """Two processes started together, each saving the same artifact to one path, then building the
-    same engine set through one engine cache: (folder, [each process's cache result])."""
+    """This process and a new one, each saving the same artifact to one path at the same moment, then
+    building the same engine set through one engine cache at the same moment (the new one waits on
+    its stdin for each start, after its imports): (folder, [each process's cache result])."""
     root = tmp_path_factory.mktemp("two")
     (root / "writers").mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    args = [str(root / "writers" / "art"), str(root / "cache")]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, *args],
+    art, cache = root / "writers" / "art", root / "cache"
+    steps: dict = {}
+    exec(STEPS, steps)
+    model, kw = steps["prepare"]()
+    with open(root / "stderr.txt", "w") as err:
+        other = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(art), str(cache)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=err,
             text=True,
             env=env,
         )
-        for _ in range(2)
-    ]
-    outs = []
-    for p in procs:
-        so, se = p.communicate(timeout=300)
-        assert p.returncode == 0, se[-2000:]
-        outs.append(json.loads(so.strip().splitlines()[-1]))
-    return root, outs
+    try:
+
+        def step(expected: str) -> None:
+            line = other.stdout.readline().strip()
+            assert line == expected, (root / "stderr.txt").read_text()[-2000:]
+            other.stdin.write("go\n")
+            other.stdin.flush()
+
+        step("ready")
+        steps["save"](model, kw, str(art))
+        step("saved")
+        mine = steps["fill"](model, kw, str(cache))
+        out, _ = other.communicate(timeout=300)
+        assert other.returncode == 0, (root / "stderr.txt").read_text()[-2000:]
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    return root, [mine, json.loads(out.strip().splitlines()[-1])]
 
 
 def test_concurrent_writers_leave_a_valid_artifact(two_processes):

@@ -1,12 +1,13 @@
 """The prx-compile command as a newcomer runs it on a CPU machine: ``main(argv)`` in this process
-(``tests/_cli.py``), what it prints and the files it writes. Real processes: ``python -m prx_compile``
-here, the console script in the README's shell blocks (``tests/test_readme.py``) and in
-``tests/test_generate.py``, whose ``--num-processes`` workers are ``python -m prx_compile`` too."""
+(``tests/_cli.py``), what it prints and the files it writes. In processes of their own: the console
+script and ``python -m prx_compile`` here, generate's workers in ``tests/test_generate.py``."""
 
 import json
 import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,14 @@ def test_module_entry_point_runs_the_command():
     r = subprocess.run(
         [sys.executable, "-m", "prx_compile", "--version"], capture_output=True, text=True, timeout=120
     )
+    assert r.returncode == 0 and r.stdout.startswith("prx-compile 0."), r.stderr
+
+
+def test_console_script_runs_the_command():
+    """``prx-compile`` (pyproject's [project.scripts]: prx_compile.tools.cli:main), in a process of
+    its own: the one on PATH, else the one next to this interpreter."""
+    exe = shutil.which("prx-compile") or str(Path(sysconfig.get_path("scripts")) / "prx-compile")
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("prx-compile 0."), r.stderr
 
 

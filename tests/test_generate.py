@@ -64,8 +64,8 @@ def reference(work):
 
 
 def test_two_processes_write_the_same_pngs_as_one(work, reference, capfd):
-    """The launcher in this process, its two workers real processes (python -m prx_compile); the
-    README's shell block runs the same through the console script and compares a PNG with cmp."""
+    """The launcher in this process, its two workers real processes (python -m prx_compile, their
+    stderr this process's fd 2); the reference is one process's PNGs."""
     out = work / "two"
     fresh_cache = {"PRX_COMPILE_CACHE": str(work / "engines-two")}
     r = run(work, "--num-processes", "2", "--out-dir", str(out), env=fresh_cache)
