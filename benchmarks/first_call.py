@@ -9,8 +9,10 @@ bf16, non-degenerate weights), the pipeline's text mask. Parts, in order, each s
             first call at each (1024² b4 is outside the default's sets: a shape miss), seconds from
             the call to its output, device memory in use after it, then warm ms/step and the error
             against eager; where each set's first call went (``report()["engine_sets"]``).
-  ablation  the static 1024² b2 set with ``share_engines: false`` (0.5's build: an engine per block)
-            beside the shared one: build seconds, ms/step, memory, and the two outputs' difference.
+  ablation  the static 1024² b2 set built one engine at a time, each execution context on its own
+            memory (``build_workers: 1, share_context_memory: false``: 0.7's build), with 4 workers,
+            and as the default does (8 workers, one arena): first call, build seconds, ms/step,
+            memory added, and the largest difference between the outputs.
   regional  ``for b in model.blocks: b.compile(dynamic=False)`` on a copy: first call per shape, ms/step.
   whole     ``torch.compile(model)`` at 1024² b2: first call, ms/step.
   fp8       the ``prx-1024-fp8`` preset (static 1024² b2) on a copy: first call, ms/step, engines.
@@ -141,6 +143,7 @@ def main() -> None:
                 engine_calls=rep["engine_calls"],
                 torch_segments=rep["torch_segments"],
                 context_mb=rep["context_mb"],
+                arena_mb=rep.get("arena_mb"),
                 engine_mb=rep["engine_mb"],
                 build_s=served.build_s,
                 timings=dict(served.timings),
@@ -150,11 +153,11 @@ def main() -> None:
         res["default_report"] = compiled.report()
         res["mem_gb_after_default"] = mem_gb()
 
-    def static_set(share: bool) -> torch.Tensor:
+    def static_set(label: str, **overrides) -> torch.Tensor:
         c = SHAPES[0]
         kw = kws[c.label()]
         before = mem_gb()
-        compiled = compile_prx(model, config="prx-1024-bf16-static", share_engines=share)
+        compiled = compile_prx(model, config="prx-1024-bf16-static", **overrides)
         out, s = first_call(lambda **k: compiled(**k, return_dict=False), kw)
         with torch.no_grad():
             ms = time_cuda(lambda: compiled(**kw, return_dict=False))["ms"]
@@ -162,7 +165,7 @@ def main() -> None:
         rep = served.report()
         res["records"].append(
             record(
-                f"compile_prx[static, share_engines={share}]",
+                f"compile_prx[static, {label}]",
                 c,
                 config="prx-1024-bf16-static",
                 weights="inputs",
@@ -176,22 +179,29 @@ def main() -> None:
                 engine_calls=rep["engine_calls"],
                 torch_segments=rep["torch_segments"],
                 context_mb=rep["context_mb"],
+                arena_mb=rep.get("arena_mb"),
                 engine_mb=rep["engine_mb"],
                 build_s=served.build_s,
                 timings=dict(served.timings),
             )
         )
-        log(f"static share_engines={share}: first call {s:.1f} s, {ms:.2f} ms, {rep['engines']} engines")
+        log(f"static {label}: first call {s:.1f} s, {ms:.2f} ms, {rep['engines']} engines")
         save()
         return out
 
     def ablation():
         outs = {}
-        for share in (False, True):
+        variants = {
+            "build_workers=1, share_context_memory=False": dict(build_workers=1, share_context_memory=False),
+            "build_workers=4, share_context_memory=True": dict(build_workers=4),
+            "build_workers=8, share_context_memory=True": {},
+        }
+        for label, overrides in variants.items():
             gc.collect()
             torch.cuda.empty_cache()
-            outs[share] = static_set(share)
-        res["shared_vs_unshared_rel"] = rel_err(outs[True], outs[False])
+            outs[label] = static_set(label, **overrides)
+        first, *rest = outs.values()
+        res["ablation_max_rel_diff"] = max(rel_err(o, first) for o in rest)
 
     def regional():
         m = copy.deepcopy(model)

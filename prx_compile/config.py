@@ -120,6 +120,11 @@ class CompileConfig:
         transformer blocks) run one engine, built once, with each block's weights bound at its call
         (``backends.repeats``); false builds an engine per partition, as 0.5 did. With
         ``weights: engine`` every engine holds its own block's weights, so none is shared.
+    build_workers: how many distinct engines are converted at once (threads, at most the machine's
+        cores) while a set is built, with ``share_engines``; 1 converts them one after another.
+        The engines are the same either way.
+    share_context_memory: the execution contexts of one engine set run on one block of device
+        memory, the largest context's size, instead of one block each (they never run at once).
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
     aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
@@ -149,6 +154,8 @@ class CompileConfig:
     range_linears: str = "torch"
     static_linears: str = "torch"
     share_engines: bool = True
+    build_workers: int = 8
+    share_context_memory: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])
@@ -183,9 +190,15 @@ class CompileConfig:
         choice("on_shape_miss", ON_SHAPE_MISS)
         choice("range_linears", RANGE_LINEARS)
         choice("static_linears", RANGE_LINEARS)
-        for key in ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "fp8_attention", "share_engines"):
+        bools = ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "fp8_attention", "share_engines")
+        for key in (*bools, "share_context_memory"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={excerpt(getattr(self, key))} must be true or false.")
+        if not _is_int(self.build_workers) or not 1 <= self.build_workers <= 64:
+            raise ConfigError(
+                f"build_workers={excerpt(self.build_workers)} must be an integer from 1 to 64.",
+                "e.g. build_workers: 8 (1 builds one engine at a time)",
+            )
         for key, top in (("batch", 256), ("text_len", 4096)):  # what an artifact may declare (export)
             v = getattr(self, key)
             if (

@@ -102,6 +102,8 @@ class Str(Spec):
         test: Callable[[str], bool] | None = None,
         what: str | None = None,
     ):
+        if choices is not None and any(len(c) > max_len for c in choices):  # a spec that refuses its own
+            raise ValueError(f"Str({max_len}) cannot hold its choices {list(choices)}")
         self.max_len, self.choices, self.test = max_len, choices, test
         self.pattern = re.compile(pattern) if pattern else None
         self.what = what or (

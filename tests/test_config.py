@@ -80,6 +80,9 @@ def test_engine_sets_specialised_first_then_the_range():
         ({"engine_cache_dir": 5}, r"engine_cache_dir=5 must be a directory path"),
         ({"opt_batch": 3}, r"opt_batch=3 must be an integer in \[1, 2\]"),
         ({"range_linears": "cublas"}, r"range_linears='cublas'.*torch.*tensorrt"),
+        ({"build_workers": 0}, r"build_workers=0 must be an integer from 1 to 64"),
+        ({"build_workers": True}, r"build_workers=True must be an integer"),
+        ({"share_context_memory": "yes"}, r"share_context_memory='yes' must be true or false"),
     ],
 )
 def test_bad_values_name_key_and_allowed(bad, match):
@@ -127,7 +130,8 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
     p.write_text(yaml.safe_dump(cfg.to_dict()))
     assert CompileConfig.resolve(p) == cfg
     assert set(ENGINE_KEYS) <= set(cfg.to_dict())
-    assert cfg.engine_settings() == CompileConfig.resolve(p, cuda_graphs=False).engine_settings()
+    for runtime in ({"cuda_graphs": False}, {"build_workers": 1}, {"share_context_memory": False}):
+        assert cfg.engine_settings() == CompileConfig.resolve(p, **runtime).engine_settings()
     assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
     assert (
         cfg.lowering().attention == "flash"

@@ -117,3 +117,8 @@ def test_a_model_config_value_in_a_manifest_is_checked_by_its_type():
     for key, v, default in bad:
         with pytest.raises(ArtifactError, match=f"manifest.model.config.{key}=.* is not an allowed value"):
             _check_value(key, v, default)
+
+
+def test_a_string_spec_that_cannot_hold_its_own_choices_is_refused_when_made():
+    with pytest.raises(ValueError, match=r"Str\(1\) cannot hold"):
+        s.Str(1, choices=("id", "t"))  # the provenance spec of 0.7 refused every "id"

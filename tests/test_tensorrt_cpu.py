@@ -48,10 +48,11 @@ def test_constants_are_traced_to_parameters_by_value():
 
 def test_saved_provenance_is_validated():
     params = {"blocks.0.attention.img_qkv_proj.weight"}
-    ok = {"_frozen_param3": ["blocks.0.attention.img_qkv_proj.weight", "t"]}
-    assert _check_provenance(ok, params) == {
-        "_frozen_param3": ("blocks.0.attention.img_qkv_proj.weight", "t")
+    ok = {
+        "_frozen_param3": ["blocks.0.attention.img_qkv_proj.weight", "t"],
+        "model.blocks.0.attention.img_qkv_proj.weight": ["blocks.0.attention.img_qkv_proj.weight", "id"],
     }
+    assert _check_provenance(ok, params) == {k: tuple(v) for k, v in ok.items()}
     for bad in (
         {"x": ["no.such.weight", "t"]},
         {"x": ["blocks.0.attention.img_qkv_proj.weight", "exec"]},
@@ -98,3 +99,81 @@ def test_build_example_tensors_are_broadcast_zeros_of_the_shape_torch_tensorrt_p
     dynamic = type("Input", (), {"shape": shapes, "dtype": TrtDtype()})()
     assert trt_shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
     assert trt_shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)
+
+
+class _Context:
+    def __init__(self):
+        self.memory = None
+
+    def set_device_memory(self, ptr, size):
+        self.memory = (ptr, size)
+
+
+class _EngineModule(torch.nn.Module):
+    """What DeviceArena reads of an engine module: its engine's context size, its context."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.engine = type("E", (), {"device_memory_size_v2": size})()
+        self.context = _Context()
+
+
+def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
+    arena = trt_shim.DeviceArena(torch.device("cpu"))
+    modules = [_EngineModule(s) for s in (300, 1000, 40)]
+    for m in modules:
+        arena.attach(m)
+    assert arena.nbytes == 0 and all(m.context.memory is None for m in modules)  # nothing taken yet
+    arena.allocate()
+    assert arena.nbytes == 1000  # the largest, not the sum (1340)
+    assert {m.context.memory for m in modules} == {(arena.block.data_ptr(), 1000)}
+    late = _EngineModule(5000)  # attached later: a larger block, and every context points at it
+    arena.attach(late)
+    arena.allocate()
+    assert arena.nbytes == 5000
+    assert {m.context.memory for m in [*modules, late]} == {(arena.block.data_ptr(), 5000)}
+
+
+def test_share_context_memory_gives_a_set_one_arena_or_none(monkeypatch):
+    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    shapes = ShapeRange.static(1, 8, 8, 4)
+    on = TensorRTBackend(torch.nn.Module(), CompileConfig(device="cuda:0"), shapes)._new_arena()
+    off = TensorRTBackend(torch.nn.Module(), CompileConfig(share_context_memory=False), shapes)._new_arena()
+    assert isinstance(on, trt_shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
+
+
+def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
+    """``building`` puts our converter in 2.11's ``compile_module`` and, with weights as inputs,
+    takes the per-engine gc.collect + empty_cache out; all of it is put back after the block."""
+    import sys
+    import types
+
+    released = []
+    compiler = types.SimpleNamespace(convert_module=lambda *a, **k: "torch-tensorrt's")
+    conversion = types.SimpleNamespace(release_host_and_device_memory=lambda: released.append(1))
+    input_cls = type("Input", (), {"example_tensor": lambda self, field=None: "rand"})
+    fake = {
+        "torch_tensorrt": types.ModuleType("torch_tensorrt"),
+        "torch_tensorrt._Input": types.SimpleNamespace(Input=input_cls),
+        "torch_tensorrt.dynamo": types.SimpleNamespace(_compiler=compiler),
+        "torch_tensorrt.dynamo.conversion": types.SimpleNamespace(_conversion=conversion),
+    }
+    for name, module in fake.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    originals = (compiler.convert_module, conversion.release_host_and_device_memory, input_cls.example_tensor)
+
+    def wrap(convert):
+        return lambda *a, **k: f"ours around {convert()}"
+
+    for release_memory in (False, True):
+        with trt_shim.building(wrap, release_memory=release_memory):
+            assert compiler.convert_module() == "ours around torch-tensorrt's"
+            assert input_cls.example_tensor is trt_shim._zeros_example
+            conversion.release_host_and_device_memory()
+        assert released == ([] if not release_memory else [1])
+        assert (
+            compiler.convert_module,
+            conversion.release_host_and_device_memory,
+            input_cls.example_tensor,
+        ) == originals

@@ -17,9 +17,11 @@ constant too large to hash) makes the key unique, which builds that partition as
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -121,18 +123,30 @@ def _tensor_digest(t: Any) -> str:
 
 
 class SharedEngines:
-    """A per-partition converter that converts each distinct partition once.
+    """A per-partition converter that converts each distinct partition once, ``workers`` at a time.
 
     ``wrap(convert)`` takes Torch-TensorRT's ``convert_module(module, inputs, settings=..., name=...)``
-    and returns this object, which Torch-TensorRT then calls in its place (``trt_shim.converting_with``).
+    and returns this object, which Torch-TensorRT then calls in its place (``trt_shim.building``).
+
+    With ``workers`` > 1 a new partition is converted in a thread while Torch-TensorRT goes on to
+    the next one: the call returns a ``Building`` stand-in at once (Torch-TensorRT 2.11 only sets it
+    as the partition's child and may mark its outputs unowned), and ``finish(gm)`` waits for the
+    conversions and puts each engine in its stand-ins' places. Use it as a context manager, so that
+    a failed compile does not leave conversions running.
 
     After a build: ``built`` (partitions converted, in order), ``shared`` (partition name -> the
-    built partition whose engine it runs), ``seconds`` (conversion time per built partition).
+    built partition whose engine it runs), ``seconds`` (conversion time per built partition) and
+    ``wall_s`` (from the first conversion's start to the last one's end).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.workers = workers
         self._convert: Callable[..., torch.nn.Module] | None = None
         self._by_key: dict[str, tuple[str, torch.nn.Module]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._spans: list[tuple[float, float]] = []
         self.built: list[str] = []
         self.shared: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
@@ -140,6 +154,18 @@ class SharedEngines:
     def wrap(self, convert: Callable[..., torch.nn.Module]) -> SharedEngines:
         self._convert = convert
         return self
+
+    @property
+    def wall_s(self) -> float:
+        return max(e for _, e in self._spans) - min(s for s, _ in self._spans) if self._spans else 0.0
+
+    def __enter__(self) -> SharedEngines:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:  # a failed compile: drop what has not started, wait for the rest
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def __call__(self, module: fx.GraphModule, inputs: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
         if self._convert is None:
@@ -150,10 +176,68 @@ class SharedEngines:
             first, engine = self._by_key[key]
             self.shared[name] = first
             return engine
-        t0 = time.perf_counter()
-        engine = self._convert(module, inputs, *args, **kwargs)
-        self.seconds[name] = time.perf_counter() - t0
         self.built.append(name)
+        if self.workers == 1:
+            engine = self._timed(name, module, inputs, args, kwargs)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="prx-build")
+            context = (torch.is_grad_enabled(), _current_cuda_device())  # both are per thread
+            future = self._pool.submit(self._in_thread, context, name, module, inputs, args, kwargs)
+            engine = Building(name, future)
         if key is not None:
             self._by_key[key] = (name, engine)
         return engine
+
+    def finish(self, gm: torch.nn.Module) -> None:
+        """Wait for the conversions still running and set each engine where its stand-in is in
+        ``gm`` (the partitioned module Torch-TensorRT returned). Raises the first conversion's error."""
+        try:
+            engines: dict[int, torch.nn.Module] = {}
+            for name, child in list(gm._modules.items()):  # _modules: a shared child under each name
+                if isinstance(child, Building):
+                    if id(child) not in engines:
+                        engines[id(child)] = child.result()
+                    gm._modules[name] = engines[id(child)]
+        finally:
+            self.__exit__()
+
+    def _in_thread(self, context: tuple[bool, int | None], name: str, *call: Any) -> torch.nn.Module:
+        grad, device = context
+        with torch.set_grad_enabled(grad), torch.cuda.device(device) if device is not None else _nothing():
+            return self._timed(name, *call)
+
+    def _timed(self, name: str, module: Any, inputs: Any, args: Any, kwargs: Any) -> torch.nn.Module:
+        t0 = time.perf_counter()
+        engine = self._convert(module, inputs, *args, **kwargs)
+        t1 = time.perf_counter()
+        self.seconds[name] = t1 - t0
+        self._spans.append((t0, t1))
+        return engine
+
+
+class Building(torch.nn.Module):
+    """Stands in for a partition's engine while it is converted in a thread (``SharedEngines``)."""
+
+    def __init__(self, name: str, future: Future) -> None:
+        super().__init__()
+        self.partition, self._future, self._unowned = name, future, None
+
+    def set_output_tensors_as_unowned(self, enabled: bool) -> None:  # what compile_module may call
+        self._unowned = enabled
+
+    def result(self) -> torch.nn.Module:
+        engine = self._future.result()
+        if self._unowned is not None:
+            engine.set_output_tensors_as_unowned(self._unowned)
+        return engine
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"the engine of {self.partition!r} is still being built (SharedEngines.finish)")
+
+
+def _current_cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+_nothing = contextlib.nullcontext

@@ -25,6 +25,7 @@ correctness depends on are required (``trt_shim.compile_settings``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -74,6 +75,8 @@ class TensorRTBackend(Backend):
         self._slots: list[tuple[str, torch.nn.Module, str]] = []
         self._pending: _Pending | None = None  # engines read from an artifact, not deserialised yet
         self._load_lock = threading.Lock()
+        #: the execution contexts' device memory, one block for the set (``share_context_memory``)
+        self.arena: trt_shim.DeviceArena | None = None
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -123,17 +126,21 @@ class TensorRTBackend(Backend):
         with progress.stage("lower (prx_compile rules)", times, "lower_s"):
             lower(ep.graph_module, cfg.lowering(self.shapes))
         settings = self.settings()
-        # weights as inputs: identical partitions (the blocks) are one engine, built once
-        sharing = SharedEngines() if cfg.weights == "inputs" and cfg.share_engines else None
+        # weights as inputs: identical partitions (the blocks) are one engine, built once; distinct
+        # ones are converted build_workers at a time
+        workers = min(cfg.build_workers, os.cpu_count() or 1)
+        sharing = SharedEngines(workers) if cfg.weights == "inputs" and cfg.share_engines else None
+        self.arena = self._new_arena()
 
         def converter(convert):  # each engine built with one execution context, shared where it can be
-            convert = trt_shim.one_context(convert)
+            convert = trt_shim.one_context(convert, self.arena)
             return sharing.wrap(convert) if sharing is not None else convert
 
         with (
             progress.stage("build TensorRT engines", times, "compile_s"),
             trt_shim.lowering_passes(self._engine_passes()),
-            trt_shim.building(converter),
+            trt_shim.building(converter, release_memory=cfg.weights == "engine"),
+            sharing if sharing is not None else contextlib.nullcontext(),
             torch.no_grad(),
         ):
             kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
@@ -143,14 +150,19 @@ class TensorRTBackend(Backend):
                     ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
                 ]
             gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
+            if sharing is not None:
+                sharing.finish(gm)  # the engines still converting in threads
         self.program, self.engines, self.constants = program_of(
             gm, trt_shim.engine_classes(), names, weight_tensors(self.model)
         )
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
+            times["engines_wall_s"] = sharing.wall_s
         for module in self.engines.values():
             if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
-                trt_shim.use_runtime_cache(module, None)  # a context with a runtime cache to save
+                trt_shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
+        if self.arena is not None:
+            self.arena.allocate()
         self._bind()
         torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0
@@ -185,6 +197,7 @@ class TensorRTBackend(Backend):
             "engines": len(sizes),  # distinct engines: a block's engine runs once per block
             "engine_calls": sum(st.op == "engine" for st in self.program.steps),
             "context_mb": sum(trt_shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
+            "arena_mb": self.arena.nbytes / 2**20 if self.arena is not None else 0.0,
             "torch_segments": self.program.segments,
             "torch_ops": self.program.torch_ops(),
             "engine_mb": sum(sizes) / 2**20,
@@ -275,6 +288,7 @@ class TensorRTBackend(Backend):
                         name,
                         pending.device,
                         runtime_cache=pending.blobs.get(f"{name}.rtcache"),
+                        arena=self.arena,
                     )
                 except Exception as e:  # TensorRT's own errors on bytes it cannot read
                     raise ArtifactError(
@@ -284,9 +298,12 @@ class TensorRTBackend(Backend):
                     ) from e
 
         # engines load side by side (TensorRT-RTX runs much of it one at a time: measured no faster)
+        self.arena = self._new_arena()
         with progress.stage(f"load engines ({self.shapes.describe()})"):
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
                 self.engines = dict(zip(pending.records, pool.map(load, pending.records), strict=True))
+        if self.arena is not None:
+            self.arena.allocate()
         self._pending = None
         self.timings["load_s"] = time.perf_counter() - t0
         logger.info(
@@ -295,6 +312,12 @@ class TensorRTBackend(Backend):
             time.perf_counter() - t0,
             self.shapes.describe(),
         )
+
+    def _new_arena(self) -> trt_shim.DeviceArena | None:
+        """One block of context memory for this set's engines (None: each context keeps its own)."""
+        if not self.config.share_context_memory:
+            return None
+        return trt_shim.DeviceArena(_cuda_device(self.config.device))
 
     # -- refit (weights="engine") ---------------------------------------------------------------
     @property
@@ -400,7 +423,7 @@ def _cuda_device(name: str) -> torch.device:
     return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-_PROVENANCE_ENTRY = schema.Tuple(schema.Str(299), schema.Str(1, choices=("id", "t")))
+_PROVENANCE_ENTRY = schema.Tuple(schema.Str(299), schema.Str(2, choices=("id", "t")))
 
 
 def _check_provenance(data: Any, params: set[str]) -> dict[str, tuple[str, str]]:

@@ -180,10 +180,11 @@ def has_runtime_cache(module: torch.nn.Module) -> bool:
     return hasattr(module.engine, "create_runtime_config")
 
 
-def use_runtime_cache(module: torch.nn.Module, blob: bytes | None) -> None:
+def use_runtime_cache(module: torch.nn.Module, blob: bytes | None, arena: DeviceArena | None = None) -> None:
     """Give the engine module an execution context whose TensorRT-RTX runtime cache starts from
-    ``blob`` (None: empty), so kernels JIT-compiled in an earlier process are reused. No-op on full
-    TensorRT. The config and cache are kept on the module as long as the context lives."""
+    ``blob`` (None: empty), so kernels JIT-compiled in an earlier process are reused, and that runs
+    on ``arena``'s memory (None: its own). No-op on full TensorRT. The config and cache are kept on
+    the module as long as the context lives."""
     if not has_runtime_cache(module):
         return
     cfg = module.engine.create_runtime_config()
@@ -191,8 +192,12 @@ def use_runtime_cache(module: torch.nn.Module, blob: bytes | None) -> None:
     if blob:
         cache.deserialize(blob)
     cfg.set_runtime_cache(cache)
+    if arena is not None:
+        cfg.set_execution_context_allocation_strategy(trt().ExecutionContextAllocationStrategy.USER_MANAGED)
     module._prx_runtime = (cfg, cache)
     module.context = module.engine.create_execution_context(cfg)
+    if arena is not None and module.context is not None:
+        arena.attach(module)
     if hasattr(module, "runtime_states"):
         module.runtime_states.context_changed = True
 
@@ -258,8 +263,11 @@ def engine_module(
     name: str,
     device: torch.device,
     runtime_cache: bytes | None = None,
+    arena: DeviceArena | None = None,
 ):
-    """A Python-runtime engine module around serialized engine bytes (record from ``engine_record``).
+    """A Python-runtime engine module around serialized engine bytes (record from ``engine_record``),
+    its execution context on ``arena``'s memory where one is given (only where ``lazy_engine_init``
+    lets the context be made once, here).
 
     On TensorRT-RTX its execution context starts from ``runtime_cache`` (the JIT kernels saved by
     ``runtime_cache_bytes``). Where Torch-TensorRT has ``lazy_engine_init`` (2.11) that is the one
@@ -290,9 +298,9 @@ def engine_module(
         serialized, record["inputs"], record["outputs"], **{k: v for k, v in kwargs.items() if k in params}
     )
     if lazy:
-        _setup_engine(module, runtime_cache)
+        _setup_engine(module, runtime_cache, arena)
     else:
-        use_runtime_cache(module, runtime_cache)
+        use_runtime_cache(module, runtime_cache, arena)
     if module.engine is None:
         raise ValueError(f"TensorRT could not deserialise engine {name!r}")
     if record["outputs_unowned"]:
@@ -300,7 +308,9 @@ def engine_module(
     return module
 
 
-def _setup_engine(module: torch.nn.Module, runtime_cache: bytes | None) -> None:
+def _setup_engine(
+    module: torch.nn.Module, runtime_cache: bytes | None, arena: DeviceArena | None = None
+) -> None:
     """``PythonTorchTensorRTModule.setup_engine`` of Torch-TensorRT 2.11, with the execution context
     made by ``use_runtime_cache``: on TensorRT-RTX a context's creation compiles its kernels, so a
     default context first would compile them all once more, without the cache (measured on the H200:
@@ -318,7 +328,12 @@ def _setup_engine(module: torch.nn.Module, runtime_cache: bytes | None) -> None:
         return
     module.initialized = True
     if has_runtime_cache(module):
-        use_runtime_cache(module, runtime_cache)
+        use_runtime_cache(module, runtime_cache, arena)
+    elif arena is not None:
+        strategy = t.ExecutionContextAllocationStrategy.USER_MANAGED
+        module.context = module.engine.create_execution_context(strategy)
+        if module.context is not None:
+            arena.attach(module)
     else:
         module.context = module.engine.create_execution_context()
     if module.context is None:
@@ -338,7 +353,7 @@ def _setup_engine(module: torch.nn.Module, runtime_cache: bytes | None) -> None:
 
 
 @contextlib.contextmanager
-def building(wrap: Any) -> Iterator[None]:
+def building(wrap: Any, release_memory: bool = True) -> Iterator[None]:
     """Within the block (one ``torch_tensorrt.dynamo.compile``; one build at a time, a lock):
 
     * each partition is converted by ``wrap(convert_module)`` (e.g. ``repeats.SharedEngines().wrap``)
@@ -349,19 +364,34 @@ def building(wrap: Any) -> Iterator[None]:
       input of every partition (with weights as inputs: every weight, again for each partition):
       14.3 s of a 1.17 B-parameter build on the H200 (``profile_build_h200.txt``). The examples give
       shapes and dtypes; the one place 2.11 runs a partition on them (``repair_double_inputs``, for
-      float64 inputs) reads its output's dtype only."""
+      float64 inputs) reads its output's dtype only;
+    * with ``release_memory=False``, the ``gc.collect()`` + device sync + ``empty_cache`` that 2.11
+      runs after each engine's conversion (``release_host_and_device_memory``, to free the host
+      copies of weights an engine holds) is skipped: with weights as engine inputs an engine holds
+      none, and the collection cost 0.44 s per engine on the H200, holding the GIL that the other
+      conversions need (``profile_build_range_h200.txt``)."""
     torch_tensorrt()
     from torch_tensorrt._Input import Input
     from torch_tensorrt.dynamo import _compiler
+    from torch_tensorrt.dynamo.conversion import _conversion
 
     with _CONVERT_LOCK:
         original, example = _compiler.convert_module, Input.example_tensor
+        release = getattr(_conversion, "release_host_and_device_memory", None)
         _compiler.convert_module = wrap(original)
         Input.example_tensor = _zeros_example
+        if release is not None and not release_memory:
+            _conversion.release_host_and_device_memory = _keep_memory
         try:
             yield
         finally:
             _compiler.convert_module, Input.example_tensor = original, example
+            if release is not None:
+                _conversion.release_host_and_device_memory = release
+
+
+def _keep_memory() -> None:
+    """Stands in for Torch-TensorRT's ``release_host_and_device_memory`` during a build (``building``)."""
 
 
 def _zeros_example(self: Any, optimization_profile_field: str | None = None) -> torch.Tensor:
@@ -375,6 +405,49 @@ def _zeros_example(self: Any, optimization_profile_field: str | None = None) -> 
 _CONVERT_LOCK = threading.Lock()
 
 
+class DeviceArena:
+    """One block of device memory that the execution contexts of one engine set run on.
+
+    A set's engines run one after another on one stream (the step's order, or its CUDA graph), so
+    their contexts need the largest one's activation memory, not the sum. Each context is made with
+    TensorRT's ``USER_MANAGED`` allocation strategy and ``attach``-ed here while the set is built or
+    loaded; ``allocate()`` then takes one block of the largest size from PyTorch's allocator
+    (512-byte aligned; TensorRT asks for 256) and points every context at it, before any of them
+    runs. Two threads must not run the same set at once (they already share its contexts)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.block: torch.Tensor | None = None
+        self._modules: list[torch.nn.Module] = []
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.block is None else self.block.numel()
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Record ``module``, whose context was made ``USER_MANAGED``: it runs once ``allocate`` ran."""
+        with self._lock:
+            self._modules.append(module)
+
+    def allocate(self) -> None:
+        """One block for every attached context (again after more were attached)."""
+        with self._lock:
+            size = max([context_memory_bytes(m) for m in self._modules] + [1])
+            if self.block is None or size > self.block.numel():
+                self.block = None  # the old one back to the allocator before the new one is taken
+                self.block = torch.empty(size, dtype=torch.uint8, device=self.device)
+            for m in self._modules:
+                _set_device_memory(m.context, self.block)
+
+
+def _set_device_memory(context: Any, block: torch.Tensor) -> None:
+    if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1, TensorRT-RTX
+        context.set_device_memory(block.data_ptr(), block.numel())
+    else:
+        context.device_memory = block.data_ptr()
+
+
 def context_memory_bytes(module: torch.nn.Module) -> int:
     """Device memory the engine's execution context holds for activations (0 when unknown)."""
     engine = getattr(module, "engine", None)
@@ -385,11 +458,12 @@ def context_memory_bytes(module: torch.nn.Module) -> int:
     return 0
 
 
-def one_context(convert: Any) -> Any:
+def one_context(convert: Any, arena: DeviceArena | None = None) -> Any:
     """``convert`` (Torch-TensorRT's ``convert_module``) whose engine module gets one execution
-    context, made with an empty TensorRT-RTX runtime cache (``use_runtime_cache``). Left alone,
-    Torch-TensorRT makes a default context first, and on TensorRT-RTX each context creation compiles
-    the engine's kernels. Where Torch-TensorRT has no ``lazy_engine_init``, ``convert`` as it is."""
+    context, made with an empty TensorRT-RTX runtime cache (``use_runtime_cache``) and on ``arena``'s
+    memory. Left alone, Torch-TensorRT makes a default context first, and on TensorRT-RTX each
+    context creation compiles the engine's kernels. Where Torch-TensorRT has no ``lazy_engine_init``,
+    ``convert`` as it is (each context then keeps its own memory)."""
     from torch_tensorrt.dynamo import CompilationSettings
 
     if "lazy_engine_init" not in {f.name for f in dataclasses.fields(CompilationSettings)}:
@@ -398,7 +472,7 @@ def one_context(convert: Any) -> Any:
     def run(module: Any, inputs: Any, *args: Any, settings: Any, **kwargs: Any) -> Any:
         lazy = dataclasses.replace(settings, lazy_engine_init=True)  # Torch-TensorRT's stays as it is
         engine = convert(module, inputs, *args, settings=lazy, **kwargs)
-        _setup_engine(engine, None)
+        _setup_engine(engine, None, arena)
         if engine.engine is None:
             raise RuntimeError(f"TensorRT could not deserialise the engine it built for {kwargs.get('name')}")
         return engine

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from prx_compile import compile_prx, load_compiled, load_lora, save_compiled, unload_lora
+from prx_compile.backends import trt_shim
 from prx_compile.lora import make_random_lora
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
@@ -72,3 +73,37 @@ def test_a_range_set_shares_its_block_pieces(model):
     rep = rng.report()
     # each middle block reuses at least two of the first block's pieces (PRX: 9 distinct at any depth)
     assert rep["engine_calls"] - rep["engines"] >= 2 * (DEEP["depth"] - 2), rep
+    sizes = [trt_shim.context_memory_bytes(m) for m in rng.engines.values()]
+    assert rng.arena.nbytes == max(sizes) < sum(sizes), sizes  # one arena: the largest, not the sum
+
+
+def test_engines_built_side_by_side_and_on_one_arena_match_one_at_a_time_on_their_own_memory(model, shared):
+    """build_workers and share_context_memory change how a set is built and where its contexts'
+    memory lives, not what it computes: bit-identical outputs, graphed and not, at the default
+    static_linears (more distinct engines); the arena holds the largest context (the range set's
+    test below checks that is less than the sum)."""
+    kw = inputs(model, seed=11)
+    config = {**STATIC, "static_linears": "torch"}
+    serial = compile_prx(model, build_workers=1, share_context_memory=False, **config)
+    want = serial(**kw, return_dict=False)[0].clone()
+    for cuda_graphs in (True, False):
+        ct = compile_prx(model, build_workers=4, cuda_graphs=cuda_graphs, **config)
+        for _ in range(2):  # a graph's capture, then its replay
+            assert torch.equal(ct(**kw, return_dict=False)[0], want)
+        rep, backend = ct.backends[0].report(), ct.backends[0]
+        assert rep["engines"] == serial.backends[0].report()["engines"] > 3, rep
+        sizes = [trt_shim.context_memory_bytes(m) for m in backend.engines.values()]
+        assert backend.arena.nbytes == max([*sizes, 1]), (rep, sizes)  # static pieces may need none
+        assert all(m.context is not None for m in backend.engines.values())
+    assert serial.backends[0].report()["arena_mb"] == 0.0
+    assert rel_err(want, eager(model, kw)) < TOL
+
+
+def test_a_loaded_set_runs_its_contexts_on_one_arena(model, shared, tmp_path):
+    kw = inputs(model, seed=12)
+    want = shared(**kw, return_dict=False)[0].clone()
+    save_compiled(shared, tmp_path / "art")
+    loaded = load_compiled(tmp_path / "art")
+    assert torch.equal(loaded(**kw, return_dict=False)[0], want)
+    rep = loaded.backends[0].report()
+    assert 0 < rep["arena_mb"] < rep["context_mb"], rep
