@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from prx_compile import BackendUnavailableError
-from prx_compile.backends import tensorrt, trt_shim
-from prx_compile.backends.tensorrt import TensorRTBackend, _check_provenance, _match_constant
+from prx_compile.backends.tensorrt import backend as trt_backend
+from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt.backend import TensorRTBackend, _check_provenance, _match_constant
 from prx_compile.config import CompileConfig
-from prx_compile.export import ShapeRange
 from prx_compile.ops import LINEAR, PRX_ATTENTION
+from prx_compile.shapes import ShapeRange
 
 
 def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=False, device=None, **kwargs):
@@ -18,8 +19,8 @@ def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=
 
 
 def test_required_settings_are_required(monkeypatch):
-    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: type("T", (), {"__version__": "9.9"}))
-    got = trt_shim.compile_settings(
+    monkeypatch.setattr(shim, "torch_tensorrt", lambda: type("T", (), {"__version__": "9.9"}))
+    got = shim.compile_settings(
         {"attn_bias_is_causal": False, "truncate_double": True}, {"decompose_attention": False}, fake_compile
     )
     assert got == {
@@ -28,7 +29,7 @@ def test_required_settings_are_required(monkeypatch):
     }  # an unknown optional one is left out
     assert "kwargs" in inspect.signature(fake_compile).parameters
     with pytest.raises(BackendUnavailableError, match=r"\['immutable_weights'\].*needs to be correct"):
-        trt_shim.compile_settings(
+        shim.compile_settings(
             {"immutable_weights": True, "device": "cuda"}, {}, lambda ep, *, device=None: None
         )
 
@@ -73,8 +74,8 @@ def test_saved_provenance_is_validated():
     ],
 )
 def test_linears_go_to_pytorch_as_range_and_static_linears_say(monkeypatch, shapes, overrides, in_torch):
-    monkeypatch.setattr(trt_shim, "compile_settings", lambda required, optional: {**optional, **required})
-    monkeypatch.setattr(tensorrt, "_cuda_device", str)  # no CUDA on this machine
+    monkeypatch.setattr(shim, "compile_settings", lambda required, optional: {**optional, **required})
+    monkeypatch.setattr(trt_backend, "_cuda_device", str)  # no CUDA on this machine
     backend = TensorRTBackend.__new__(TensorRTBackend)  # settings() only: no Torch-TensorRT needed
     backend.config, backend.shapes = CompileConfig(**overrides), shapes
     got = backend.settings()
@@ -90,11 +91,11 @@ def test_build_example_tensors_are_broadcast_zeros_of_the_shape_torch_tensorrt_p
             return torch.bfloat16
 
     static = type("Input", (), {"shape": (3, 4096, 1792), "dtype": TrtDtype()})()
-    t = trt_shim._zeros_example(static)
+    t = shim._zeros_example(static)
     assert t.shape == (3, 4096, 1792) and t.dtype == torch.bfloat16
     assert t.stride() == (0, 0, 0) and t.untyped_storage().nbytes() == 2  # one element, not 44 MB
     assert not t.any()
     shapes = {"min_shape": (1, 8), "opt_shape": (2, 8), "max_shape": (4, 8)}
     dynamic = type("Input", (), {"shape": shapes, "dtype": TrtDtype()})()
-    assert trt_shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
-    assert trt_shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)
+    assert shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
+    assert shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)

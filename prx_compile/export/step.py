@@ -7,20 +7,20 @@ The hooks a PRX export needs are active only inside ``export_prx``:
   dynamic height/width; ``shape_generic_position_ids`` swaps in an ``arange``/``expand``/``stack``
   formulation with the same values;
 * with ``fuse_attention``, every PRX attention module runs ``FusedPRXAttnProcessor``
-  (``prx_compile.fusion``) for the duration of the export.
+  (``prx_compile.export.fusion``) for the duration of the export.
+
+The shape ranges it exports over are ``prx_compile.shapes.ShapeRange``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.export import Dim
 
-from . import schema
+from ..shapes import ShapeRange
 
 ACTIVATIONS = ("hidden_states", "timestep", "encoder_hidden_states", "attention_mask")
 
@@ -47,171 +47,6 @@ def shape_generic_position_ids() -> Iterator[None]:
         yield
     finally:
         transformer_prx.get_image_ids = original
-
-
-@dataclass(frozen=True)
-class ShapeRange:
-    """Inclusive ranges one engine set accepts.
-
-    batch: transformer batch (classifier-free guidance doubles the prompt batch).
-    height, width: latent size, multiples of ``multiple`` (the patch size).
-    text: text tokens.
-    opt_*: the point TensorRT tunes for (default: the maxima).
-    """
-
-    batch: tuple[int, int]
-    height: tuple[int, int]
-    width: tuple[int, int]
-    text: tuple[int, int]
-    multiple: int = 2
-    opt_batch: int | None = None
-    opt_height: int | None = None
-    opt_width: int | None = None
-    opt_text: int | None = None
-
-    @classmethod
-    def static(cls, batch: int, height: int, width: int, text: int, multiple: int = 2) -> ShapeRange:
-        """The range holding one shape (latent height and width)."""
-        return cls((batch, batch), (height, height), (width, width), (text, text), multiple)
-
-    def problems(self, batch: int, height: int, width: int, text: int) -> list[str]:
-        """Why this shape falls outside the range (empty list when it fits)."""
-        out = []
-        for name, v, (lo, hi) in (
-            ("batch", batch, self.batch),
-            ("latent height", height, self.height),
-            ("latent width", width, self.width),
-            ("text length", text, self.text),
-        ):
-            if not lo <= v <= hi:
-                out.append(f"{name} {v} not in [{lo}, {hi}]")
-        for name, v in (("latent height", height), ("latent width", width)):
-            if v % self.multiple:
-                out.append(f"{name} {v} is not a multiple of the patch size {self.multiple}")
-        return out
-
-    def fits(self, batch: int, height: int, width: int, text: int) -> bool:
-        return not self.problems(batch, height, width, text)
-
-    def volume(self) -> int:
-        """How many (batch, height, width, text) points the range holds: smaller is more specific."""
-        n = 1
-        for lo, hi in (self.batch, self.height, self.width, self.text):
-            n *= hi - lo + 1
-        return n
-
-    def is_static(self) -> bool:
-        return self.volume() == 1
-
-    def describe(self) -> str:
-        if self.is_static():
-            return (
-                f"batch {self.batch[0]}, latent {self.height[0]}x{self.width[0]}, text {self.text[0]} tokens"
-            )
-        return (
-            f"batch {self.batch[0]}..{self.batch[1]}, latent {self.height[0]}..{self.height[1]} x "
-            f"{self.width[0]}..{self.width[1]} (multiples of {self.multiple}), "
-            f"text {self.text[0]}..{self.text[1]} tokens"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> ShapeRange:
-        """Validated inverse of ``to_dict``; ValueError naming the field on bad data."""
-        from .errors import excerpt
-
-        schema.check(_SHAPES, data, "shapes")  # types and bounds; the relations between fields below
-        out: dict[str, Any] = {"multiple": data["multiple"]}
-        m = out["multiple"]
-        for key in ("batch", "height", "width", "text"):
-            v = data[key]
-            if v[0] > v[1]:
-                raise ValueError(f"shapes.{key}={excerpt(v)} must be [min, max] with min <= max")
-            if key in ("height", "width") and (v[0] % m or v[1] % m):
-                raise ValueError(f"shapes.{key}={excerpt(v)} must be multiples of {m}")
-            out[key] = tuple(v)
-        for key in ("opt_batch", "opt_height", "opt_width", "opt_text"):
-            v = data[key]
-            lo, hi = out[key[4:]]
-            if v is not None and not lo <= v <= hi:
-                raise ValueError(f"shapes.{key}={excerpt(v)} must be null or an integer from {lo} to {hi}")
-            if v is not None and key in ("opt_height", "opt_width") and v % m:
-                raise ValueError(f"shapes.{key}={v} must be a multiple of {m}")
-            out[key] = v
-        shapes = cls(**out)
-        if shapes.max_tokens() > MAX_TOKENS:
-            raise ValueError(
-                f"shapes: {shapes.describe()} is {shapes.max_tokens()} tokens a step, more than {MAX_TOKENS}"
-            )
-        return shapes
-
-    def max_tokens(self) -> int:
-        """Tokens of the largest step in the range: batch x (image patches + text)."""
-        return self.batch[1] * (self.height[1] * self.width[1] // self.multiple**2 + self.text[1])
-
-    def dynamic_shapes(self) -> dict[str, Any]:
-        """torch.export ``dynamic_shapes`` for the activations (static dims left out)."""
-        m = self.multiple
-
-        def dim(name: str, lo: int, hi: int, mult: int = 1):
-            if lo == hi:
-                return None
-            if mult == 1:
-                return Dim(name, min=lo, max=hi)
-            return mult * Dim(name, min=lo // mult, max=hi // mult)
-
-        b = dim("batch", *self.batch)
-        h = dim("latent_h", *self.height, m)
-        w = dim("latent_w", *self.width, m)
-        t = dim("text_len", *self.text)
-
-        def axes(*pairs):
-            return {i: d for i, d in pairs if d is not None}
-
-        return {
-            "hidden_states": axes((0, b), (2, h), (3, w)),
-            "timestep": axes((0, b)),
-            "encoder_hidden_states": axes((0, b), (1, t)),
-            "attention_mask": axes((0, b), (1, t)),
-        }
-
-    def opt_point(self) -> tuple[int, int, int, int]:
-        """(batch, height, width, text) TensorRT optimises for."""
-        return (
-            self.opt_batch or self.batch[1],
-            self.opt_height or self.height[1],
-            self.opt_width or self.width[1],
-            self.opt_text or self.text[1],
-        )
-
-
-#: the largest shapes an engine set read from disk may declare (latent pixels for height and width):
-#: far beyond PRX's serving sizes, small enough that example inputs cannot take the machine's memory
-_LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096}
-#: the most tokens one step of a set read from disk may have (PRX's default at 1024², batch 2: 8704)
-MAX_TOKENS = 2**20
-
-
-def _shapes_schema() -> schema.Spec:
-    def pair(top: int):
-        return schema.Tuple(schema.Int(1, top), schema.Int(1, top))
-
-    def opt(top: int):
-        return schema.OneOf(schema.Null(), schema.Int(1, top))
-
-    return schema.Dict(
-        {
-            "multiple": schema.Int(1, 64),
-            **{k: pair(top) for k, top in _LIMITS.items()},
-            **{f"opt_{k}": opt(top) for k, top in _LIMITS.items()},
-        }
-    )
-
-
-#: a saved ShapeRange: each size an integer from 1 to its limit (``from_dict`` checks the rest)
-_SHAPES = _shapes_schema()
 
 
 def example_inputs(

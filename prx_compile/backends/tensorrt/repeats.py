@@ -124,7 +124,7 @@ class SharedEngines:
     """A per-partition converter that converts each distinct partition once.
 
     ``wrap(convert)`` takes Torch-TensorRT's ``convert_module(module, inputs, settings=..., name=...)``
-    and returns this object, which Torch-TensorRT then calls in its place (``trt_shim.converting_with``).
+    and returns this object, which Torch-TensorRT then calls in its place (``shim.converting_with``).
 
     After a build: ``built`` (partitions converted, in order), ``shared`` (partition name -> the
     built partition whose engine it runs), ``seconds`` (conversion time per built partition).
