@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from prx_compile.fp8 import TARGETS
+from prx_compile.quant.fp8 import TARGETS
 from prx_compile.tools.bench import Case, compile_path, run_bench, table
 from prx_compile.tools.testing import FULL_PRX, make_prx
 

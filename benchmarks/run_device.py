@@ -363,7 +363,7 @@ def fp8_pipeline(out: Path, cache: str) -> None:
     out_a = ct(**kw, return_dict=False)[0].clone()
     ref_model = full_model()  # the same LoRA merged in bf16, then quantised: what fp8 should give
     load_lora(ref_model, a, "a")
-    from prx_compile import fp8 as fp8_mod
+    from prx_compile.quant import fp8 as fp8_mod
 
     fp8_mod.install(ref_model)
     with torch.no_grad():

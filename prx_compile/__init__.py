@@ -18,9 +18,9 @@ from .errors import (
     PRXCompileError,
     ShapeOutOfRangeError,
 )
+from .io.saving import artifact_digest, inspect_artifact, load_compiled, save_compiled
 from .lora import load_lora, set_lora, unload_lora
-from .module import CompiledTransformer, compile_prx
-from .saving import artifact_digest, inspect_artifact, load_compiled, save_compiled
+from .runtime.module import CompiledTransformer, compile_prx
 
 __all__ = [
     "__version__",

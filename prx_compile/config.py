@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, excerpt, one_line
-from .export import ShapeRange
+from .shapes import ShapeRange
 
 BACKENDS = ("tensorrt", "inductor", "eager")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -89,7 +89,7 @@ class CompileConfig:
         "eager" (the lowered graph as is). No silent fallback between them.
     dtype: "bf16" | "fp16" | "fp32": must be the transformer's dtype (None: take the model's).
     precision: "dtype": every GEMM in ``dtype``; "fp8": the transformer blocks' linears (attention
-        projections and MLP) run FP8 GEMMs (``prx_compile.fp8``: per-output-channel weight scales,
+        projections and MLP) run FP8 GEMMs (``prx_compile.quant.fp8``: per-output-channel weight scales,
         per-token dynamic activation scales), everything else stays in ``dtype``. It quantises the
         transformer's block linears in place, as torchao's ``quantize_`` does; their exact weights
         stay, so a LoRA re-quantises the layers it changes. Needs ``weights: inputs``.
@@ -118,7 +118,7 @@ class CompileConfig:
         (GEMMs fused with their neighbours in fewer engines).
     share_engines: with ``weights: inputs``, partitions that compute the same thing (the
         transformer blocks) run one engine, built once, with each block's weights bound at its call
-        (``backends.repeats``); false builds an engine per partition, as 0.5 did. With
+        (``backends.tensorrt.repeats``); false builds an engine per partition, as 0.5 did. With
         ``weights: engine`` every engine holds its own block's weights, so none is shared.
     build_workers: how many distinct engines are converted at once (threads, at most the machine's
         cores) while a set is built, with ``share_engines``; 1 converts them one after another.

@@ -6,7 +6,8 @@ import logging
 import pytest
 import torch
 
-from prx_compile.export import ShapeRange, example_inputs, export_prx
+from prx_compile.export import example_inputs, export_prx
+from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
 RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prx_compile import ArtifactError, compile_prx, inspect_artifact, load_compiled, save_compiled
-from prx_compile.artifact import CHUNK, FORMAT_VERSION, MANIFEST, _chunk_hashes
+from prx_compile.io.artifact import CHUNK, FORMAT_VERSION, MANIFEST, _chunk_hashes
+from prx_compile.io.saving import LORA, WEIGHTS, check_compatible
 from prx_compile.lora import load_lora, make_random_lora, summary, unload_lora
-from prx_compile.saving import LORA, WEIGHTS, check_compatible
 from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
@@ -363,7 +363,7 @@ def test_rebuild_from_saved_weights(saved):
 
 # -- saving ------------------------------------------------------------------------------------
 def test_a_failed_save_keeps_the_previous_artifact(artifact, monkeypatch):
-    import prx_compile.artifact as a
+    import prx_compile.io.artifact as a
 
     old = manifest(artifact)
     model = make_prx(seed=5)
@@ -742,7 +742,7 @@ def test_a_gpu_artifact_on_a_cpu_machine_names_the_way_out(artifact):
 
 
 def test_a_save_killed_between_its_renames_loses_nothing(artifact):
-    import prx_compile.artifact as a
+    import prx_compile.io.artifact as a
 
     aside = artifact.parent / ".art.old-killed"
     aside.mkdir()
@@ -780,7 +780,7 @@ def test_saving_a_float64_model_is_refused_before_any_build(tmp_path):
 def test_a_listed_sparse_file_is_refused_before_it_is_hashed(artifact):
     """A 16 TiB file of holes (0 bytes on disk) listed with its size: refused at once, not hashed for
     hours; a listing above the size bound is refused from the manifest alone."""
-    from prx_compile.artifact import CHUNK, MAX_FILE_BYTES
+    from prx_compile.io.artifact import CHUNK, MAX_FILE_BYTES
 
     m = manifest(artifact)
     weights = next(rel for rel in m["files"] if rel.endswith(".safetensors"))

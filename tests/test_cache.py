@@ -10,8 +10,8 @@ import stat
 import pytest
 
 from prx_compile import ArtifactError, compile_prx
-from prx_compile.artifact import MANIFEST
-from prx_compile.cache import SHARED_ENV
+from prx_compile.io.artifact import MANIFEST
+from prx_compile.io.cache import SHARED_ENV
 from prx_compile.tools.testing import make_prx
 
 from .conftest import prx_inputs
@@ -94,7 +94,7 @@ def test_an_entry_of_another_user_is_refused_naming_it(cache, monkeypatch, fake)
 
 
 def test_a_file_of_another_user_inside_an_entry_is_refused_not_rebuilt(cache, monkeypatch):
-    from prx_compile.artifact import _chunk_hashes
+    from prx_compile.io.artifact import _chunk_hashes
 
     root, entry = cache
     planted = entry / "engine.bin"  # a listed file (a TensorRT entry lists its engines)
@@ -143,7 +143,7 @@ def test_a_shared_cache_is_a_setting(cache, monkeypatch):
     os.chmod(entry, 0o700)
     link = root / "link"
     link.symlink_to(entry)
-    from prx_compile.cache import check_trusted
+    from prx_compile.io.cache import check_trusted
 
     with pytest.raises(ArtifactError, match="is a symbolic link"):
         check_trusted(link)

@@ -142,8 +142,8 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
 def test_range_and_static_linears_each_key_the_engine_cache_of_their_sets_only(monkeypatch):
     from types import SimpleNamespace
 
-    from prx_compile import artifact, cache
-    from prx_compile.export import ShapeRange
+    from prx_compile.io import artifact, cache
+    from prx_compile.shapes import ShapeRange
     from prx_compile.tools.testing import make_prx
 
     monkeypatch.setattr(artifact, "versions", lambda with_tensorrt: {})  # no Torch-TensorRT here

@@ -6,9 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-from prx_compile import CompileConfig, ConfigError, compile_prx, fp8, load_compiled, save_compiled
-from prx_compile._kernels import row_quant_fp8_torch
+from prx_compile import CompileConfig, ConfigError, compile_prx, load_compiled, save_compiled
 from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
+from prx_compile.ops.kernels import row_quant_fp8_torch
+from prx_compile.quant import fp8
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 
@@ -71,11 +72,11 @@ def test_triton_quant_kernels_in_the_interpreter(monkeypatch):
     tests run them compiled and compare the FP8 codes). The interpreter's casts to bf16 and fp8 do not
     round as the GPU does, so the kernels write fp32 here and are compared to two bf16 ulps (two
     roundings)."""
-    from prx_compile import _kernels
+    from prx_compile.ops import kernels
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(_kernels, "_ROW_QUANT_KERNEL", None)
-    row_quant, gelu_mul_quant, _ = _kernels._row_quant_kernel()
+    monkeypatch.setattr(kernels, "_ROW_QUANT_KERNEL", None)
+    row_quant, gelu_mul_quant, _ = kernels._row_quant_kernel()
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(6, 80, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
     a[2, 5] = float("nan")

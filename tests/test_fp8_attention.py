@@ -4,10 +4,9 @@ attention), the ``prx_attention_fp8`` op it serves, and the lowering rule that s
 import pytest
 import torch
 
-from prx_compile import _fp8_attention as fa
-from prx_compile import ops
 from prx_compile.lowering import LoweringSettings, lower
-from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_FP8
+from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_FP8, library
+from prx_compile.ops import fp8_attention as fa
 from prx_compile.tools.bench import rel_err
 
 
@@ -28,7 +27,7 @@ def case(b=2, lq=150, la=40, lb=150, h=3, d=32, kept=(25, 1), sharp=1.0, seed=0)
 
 def exact(q, k_a, v_a, mask, k_b, v_b, scale):
     keep = torch.cat([mask, torch.ones(k_b.shape[:2], dtype=torch.bool)], 1)
-    return ops._reference(
+    return library._reference(
         q.double(), torch.cat([k_a, k_b], 1).double(), torch.cat([v_a, v_b], 1).double(), keep, scale
     )
 
@@ -74,9 +73,9 @@ def test_the_op_is_prx_attention_with_fp8_attention():
     assert got.shape == full.shape == (b, seq, h * d)
     assert 1e-3 < rel_err(got, full) < 5e-2
     qkv, kv = img_qkv.view(b, seq, 3, h, d), txt_kv.view(b, t, 2, h, d)
-    q = ops.qk_norm_rope_torch(qkv[:, :, 0], w, 1e-6)
-    k = ops.qk_norm_rope_torch(qkv[:, :, 1], w, 1e-6)
-    tk = ops.qk_norm_rope_torch(kv[:, :, 0], w, 1e-6)
+    q = library.qk_norm_rope_torch(qkv[:, :, 0], w, 1e-6)
+    k = library.qk_norm_rope_torch(qkv[:, :, 1], w, 1e-6)
+    tk = library.qk_norm_rope_torch(kv[:, :, 0], w, 1e-6)
     twin = fa.joint_attention_fp8_torch(q, tk, kv[:, :, 1], mask, k, qkv[:, :, 2], d**-0.5)
     torch.testing.assert_close(got, twin.reshape(b, seq, h * d), rtol=0, atol=0)
 

@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_prx import apply_rope
 
 from prx_compile import compile_prx
 from prx_compile.export import example_inputs, export_prx
-from prx_compile.fusion import FusedPRXAttnProcessor, fused_attention_processors
+from prx_compile.export.fusion import FusedPRXAttnProcessor, fused_attention_processors
 from prx_compile.ops import PRX_ATTENTION, qk_norm_rope_torch
 from prx_compile.tools.bench import max_abs_err, rel_err
 from prx_compile.tools.testing import make_prx
@@ -60,7 +60,7 @@ def test_norm_rope_reference_is_diffusers_arithmetic(dtype):
 
 _NORM_ROPE_CHECK = """
 import torch
-from prx_compile import _kernels
+from prx_compile.ops import kernels
 from prx_compile.ops import qk_norm_rope_torch
 
 g = torch.Generator().manual_seed(1)
@@ -70,7 +70,7 @@ w = 1 + 0.3 * torch.randn(d, generator=g)
 theta = torch.randn(b, seq, d // 2, generator=g) * 3
 rope = torch.stack([theta.cos(), -theta.sin(), theta.sin(), theta.cos()], -1).reshape(b, seq, d // 2, 2, 2)
 for r in (rope, None):
-    got, v = _kernels.qk_norm_rope(qkv[:, :, 1], w, 1e-6, r, qkv[:, :, 2])
+    got, v = kernels.qk_norm_rope(qkv[:, :, 1], w, 1e-6, r, qkv[:, :, 2])
     torch.testing.assert_close(got, qk_norm_rope_torch(qkv[:, :, 1], w, 1e-6, r), rtol=1e-5, atol=1e-5)
     assert got.is_contiguous() and torch.equal(v, qkv[:, :, 2])
 print("ok")

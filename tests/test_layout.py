@@ -1,5 +1,6 @@
-"""The package's shape: the library apart from its tools (it never imports prx_compile.tools, the test
-fixtures included), no import cycles, the public API, and a wheel that ships the presets and the command.
+"""The package's shape: a top level of core modules and stage folders, the library apart from its tools
+(it never imports prx_compile.tools, the test fixtures included), no import cycles, the public API, and a
+wheel that ships every folder, the presets and the command.
 
 Each layout check runs on the checkout and on a copy of the package with a violation planted in its
 files, and must find that violation."""
@@ -120,36 +121,78 @@ def library_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles({m: {t for t in targets if t in lib} for m, targets in lib.items()})
 
 
+#: the modules at the top of prx_compile/: the entry points and what every stage may use
+CORE = ("__init__", "__main__", "_version", "config", "errors", "schema", "progress", "shapes")
+#: the stage folders, in the order a denoising step's data flows through them; the tools apart
+STAGES = ("export", "lowering", "ops", "quant", "backends", "runtime", "lora", "io", "tools")
+
+
+def misplaced(graph: dict[str, set[str]]) -> list[str]:
+    """Modules neither core (directly under prx_compile/) nor in a stage folder, and stage folders that
+    are not packages."""
+    out = []
+    for m in sorted(graph):
+        parts = m.split(".")[1:]
+        if parts and not (parts[0] in STAGES or (len(parts) == 1 and parts[0] in CORE)):
+            out.append(m)
+    return out + [f"prx_compile.{s} (no __init__.py)" for s in STAGES if f"prx_compile.{s}" not in graph]
+
+
 @pytest.fixture
 def planted(tmp_path):
     """plant({path: code}) -> the import graph of a copy of the package with each ``code`` added to its
-    ``path`` (a file under prx_compile/, created if missing): the checks read real files, as on the
-    checkout."""
+    ``path`` (a file under prx_compile/, created with its folders if missing; code None removes the
+    file): the checks read real files, as on the checkout."""
 
     def plant(files: dict[str, str]) -> dict[str, set[str]]:
         root = tmp_path / f"tree{len(list(tmp_path.iterdir()))}"
         shutil.copytree(PKG, root / "prx_compile", ignore=shutil.ignore_patterns("__pycache__"))
         for path, code in files.items():
             target = root / "prx_compile" / path
+            if code is None:
+                target.unlink()
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text((target.read_text() if target.exists() else "") + "\n" + code + "\n")
         return import_graph(root)
 
     return plant
 
 
+def test_the_top_level_holds_the_core_modules_and_the_stage_folders(planted):
+    graph = import_graph()
+    assert misplaced(graph) == []
+    assert {m.split(".")[1] for m in graph if m.count(".") == 1} == set(CORE[1:]) | set(STAGES)  # all there
+    # the core does not reach into the stages: config reads ShapeRange from shapes, not from export
+    assert graph["prx_compile.shapes"] <= {"prx_compile.schema", "prx_compile.errors"}
+    assert not {t for t in graph["prx_compile.config"] if t.startswith("prx_compile.export")}
+    for files, found in (
+        # a helper module added at the top
+        ({"helpers.py": "def helper(): pass"}, ["prx_compile.helpers"]),
+        # a module put back where it was before the stage folders (the old prx_compile/module.py)
+        ({"module.py": "from .runtime.module import CompiledTransformer"}, ["prx_compile.module"]),
+        # a folder that is no stage
+        ({"extras/__init__.py": "", "extras/more.py": ""}, ["prx_compile.extras", "prx_compile.extras.more"]),
+    ):
+        assert misplaced(planted(files)) == found, (files, misplaced(planted(files)))
+    # a stage folder that is no package any more
+    assert misplaced(planted({"quant/__init__.py": None})) == ["prx_compile.quant (no __init__.py)"]
+
+
 def test_no_import_cycles(planted):
     graph = import_graph()
-    assert graph["prx_compile.module"] >= {"prx_compile.backends", "prx_compile.config"}
-    assert graph["prx_compile.saving"] >= {"prx_compile.module", "prx_compile.artifact"}
+    assert graph["prx_compile.runtime.module"] >= {"prx_compile.backends", "prx_compile.config"}
+    assert graph["prx_compile.io.saving"] >= {"prx_compile.runtime.module", "prx_compile.io.artifact"}
     assert not library_cycles(graph), library_cycles(graph)[0]
     assert not cycles(graph), cycles(graph)[0]  # the tools too
-    # planted: config imports module (which imports config), lazily inside a function, as a cycle hides
-    bad = planted({"config.py": "def _planted():\n    from .module import CompiledTransformer"})
-    assert ["prx_compile.config", "prx_compile.module", "prx_compile.config"] in library_cycles(bad)
-    # planted: a longer one through a subpackage: lowering.linear -> saving -> module -> ... -> lowering
-    bad = planted({"lowering/linear.py": "from ..saving import save_compiled"})
+    # planted: config imports runtime.module (which imports config), lazily inside a function, as a
+    # cycle hides
+    bad = planted({"config.py": "def _planted():\n    from .runtime.module import CompiledTransformer"})
+    assert ["prx_compile.config", "prx_compile.runtime.module", "prx_compile.config"] in library_cycles(bad)
+    # planted: a longer one across stages: lowering.linear -> io.saving -> runtime.module -> ... -> lowering
+    bad = planted({"lowering/linear.py": "from ..io.saving import save_compiled"})
     cycle = next(c for c in library_cycles(bad) if c[0] == "prx_compile.lowering.linear")
-    assert cycle[1] == "prx_compile.saving" and cycle[-1] == "prx_compile.lowering.linear"
+    assert cycle[1] == "prx_compile.io.saving" and cycle[-1] == "prx_compile.lowering.linear"
 
 
 def test_public_api():
@@ -181,19 +224,19 @@ def test_the_library_never_imports_the_tools_or_the_fixtures(planted):
     for files, found in (
         # a function-level import of the fixtures, as a helper would add it
         (
-            {"module.py": "def _planted():\n    from .tools.testing import make_prx"},
+            {"runtime/module.py": "def _planted():\n    from ..tools.testing import make_prx"},
             "prx_compile.tools.testing",
         ),
         # __init__ exporting a tool again (what generate_images was)
         ({"__init__.py": "from .tools.generate import generate_images"}, "prx_compile.tools.generate"),
         ({"__init__.py": "from . import tools"}, "prx_compile.tools"),
         ({"lowering/linear.py": "from ..tools import bench"}, "prx_compile.tools.bench"),
-        ({"saving.py": "import prx_compile.tools.cli"}, "prx_compile.tools.cli"),
-        ({"backends/tensorrt.py": dynamic}, "prx_compile.tools.pipeline"),
+        ({"io/saving.py": "import prx_compile.tools.cli"}, "prx_compile.tools.cli"),
+        ({"backends/tensorrt/backend.py": dynamic}, "prx_compile.tools.pipeline"),
         # a copy of the entry point under another name is library code, not the entry point
         ({"entry.py": "from .tools.cli import main"}, "prx_compile.tools.cli"),
         # the fixtures put back into the library (the old prx_compile/testing.py), and imported there
-        ({"testing.py": "", "cache.py": "from .testing import make_prx"}, "prx_compile.testing"),
+        ({"testing.py": "", "io/cache.py": "from ..testing import make_prx"}, "prx_compile.testing"),
     ):
         where = [p for p, code in files.items() if code][0]
         mod = module_name(PKG / where)
@@ -203,7 +246,8 @@ def test_the_library_never_imports_the_tools_or_the_fixtures(planted):
 def test_the_wheel_ships_the_presets_and_the_command(tmp_path):
     """Build the wheel, install it into a fresh virtual environment outside the checkout (the
     dependencies come from this environment), and resolve every preset there; the wheel's console
-    script is the CLI in tools/, and ``import prx_compile`` loads none of the tools."""
+    script is the CLI in tools/, ``import prx_compile`` loads none of the tools, and every package of the
+    checkout (each stage folder) imports from the wheel."""
     dist = tmp_path / "dist"
     subprocess.run(
         [
@@ -249,11 +293,13 @@ def test_the_wheel_ships_the_presets_and_the_command(tmp_path):
         "assert str(dist.locate_file('')).startswith(sys.argv[1]), dist.locate_file('')\n"
         "(main,) = [e.load() for e in dist.entry_points if e.name == 'prx-compile']  # the console script\n"
         "assert main.__module__ == 'prx_compile.tools.cli' and main.__name__ == 'main', main\n"
+        "for package in sys.argv[2].split(','):  # every folder of the checkout ships\n"
+        "    assert importlib.import_module(package).__file__.startswith(sys.argv[1]), package\n"
         "names = list_presets(); assert 'prx-1024-bf16' in names, names\n"
         "print(len([CompileConfig.resolve(n) for n in names]))"
     )
     r = subprocess.run(
-        [str(py), "-c", code, site],
+        [str(py), "-c", code, site, ",".join(sorted(module_name(p) for p in PKG.rglob("__init__.py")))],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -107,7 +107,7 @@ def test_on_shape_miss_build_adds_an_engine_set(caplog):
     model = make_prx()
     ct = compile_prx(model, backend="eager", **SMALL_RANGE)
     kw = prx_inputs(model, batch=3, h=20, w=12)
-    with caplog.at_level("WARNING", logger="prx_compile.module"):
+    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
         out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
     assert ct.builds == 1 and ct.backends[-1].shapes.describe() == "batch 3, latent 20x12, text 12 tokens"
@@ -201,10 +201,10 @@ def test_config_errors():
 
 
 def test_tensorrt_without_gpu_says_how_to_install(monkeypatch):
-    from prx_compile.backends import trt_shim
+    from prx_compile.backends.tensorrt import shim
 
     model = make_prx()
-    trt_shim.torch_tensorrt.cache_clear()
+    shim.torch_tensorrt.cache_clear()
     if not torch.cuda.is_available():
         with pytest.raises(
             BackendUnavailableError, match=r"needs a CUDA GPU.*pip install 'prx_compile\[tensorrt\]'"
@@ -212,10 +212,10 @@ def test_tensorrt_without_gpu_says_how_to_install(monkeypatch):
             compile_prx(model)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "torch_tensorrt", None)  # import fails as on a machine without it
-    trt_shim.torch_tensorrt.cache_clear()
+    shim.torch_tensorrt.cache_clear()
     with pytest.raises(BackendUnavailableError, match=r"needs Torch-TensorRT.*backend='inductor' or 'eager'"):
         compile_prx(model, device="cpu")
-    trt_shim.torch_tensorrt.cache_clear()
+    shim.torch_tensorrt.cache_clear()
 
 
 def test_a_failed_build_on_a_shape_miss_leaves_no_set_behind(monkeypatch):

@@ -2,8 +2,8 @@
 
 import torch
 
-from prx_compile import _kernels
-from prx_compile.ops import _reference, flash_attention, joint_attention
+from prx_compile.ops import kernels
+from prx_compile.ops.library import _reference, flash_attention, joint_attention
 
 
 def rand(*shape, seed=0):
@@ -33,7 +33,7 @@ def test_lse_merge_is_exact_including_empty_parts():
     )
     o1, l1 = partial(q, kb, kb, None, 0.3)
     o2, l2 = partial(q, ka, ka, mask, 0.3)
-    merged = _kernels.merge_torch(o1, l1, o2, l2)
+    merged = kernels.merge_torch(o1, l1, o2, l2)
     torch.testing.assert_close(merged, ref, rtol=1e-12, atol=1e-12)
     assert torch.isfinite(merged).all()
 

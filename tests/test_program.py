@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.fx.passes.split_module import split_module
 
-from prx_compile.export import ShapeRange, export_prx
+from prx_compile.backends.tensorrt.program import OPS, Program, ProgramError, from_graph_module
+from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import PRX_ATTENTION
-from prx_compile.program import OPS, Program, ProgramError, from_graph_module
+from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prx_compile import ArtifactError
-from prx_compile.program import Program, ProgramError
+from prx_compile.backends.tensorrt.program import Program, ProgramError
 
 X = {"ref": "in:hidden_states"}
 INPUTS = {"hidden_states": torch.ones(2, 4, 8, 8)}
@@ -163,7 +163,7 @@ def test_any_program_runs_bounded_or_fails_as_an_artifact_error(steps):
 
 
 def test_saved_shape_ranges_are_bounded_and_consistent():
-    from prx_compile.export import ShapeRange
+    from prx_compile.shapes import ShapeRange
 
     good = ShapeRange((1, 2), (64, 128), (64, 128), (1, 256), 2, None, 96, None, None).to_dict()
     assert ShapeRange.from_dict(good).opt_height == 96
@@ -181,8 +181,8 @@ def test_saved_shape_ranges_are_bounded_and_consistent():
 
 
 def test_a_set_too_large_for_the_device_is_refused_before_its_first_call():
-    from prx_compile.export import ShapeRange
-    from prx_compile.saving import check_memory
+    from prx_compile.io.saving import check_memory
+    from prx_compile.shapes import ShapeRange
     from prx_compile.tools.testing import make_prx
 
     model = make_prx()  # hidden 64, fp32

@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-from prx_compile.program import Program, Step
+from prx_compile.backends.tensorrt.program import Program, Step
 
 
 def chain(n: int) -> Program:

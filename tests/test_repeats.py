@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.passes.split_module import split_module
 
-from prx_compile.backends.repeats import SharedEngines, structure_key
+from prx_compile.backends.tensorrt.repeats import SharedEngines, structure_key
 from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import LINEAR, PRX_ATTENTION
@@ -156,11 +156,11 @@ class StandIn(torch.nn.Module):
 
 
 def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatch):
-    from prx_compile.backends import trt_shim
-    from prx_compile.backends.tensorrt import TensorRTBackend, program_of
+    from prx_compile.backends.tensorrt import shim
+    from prx_compile.backends.tensorrt.backend import TensorRTBackend, program_of
+    from prx_compile.backends.tensorrt.program import Program
     from prx_compile.config import CompileConfig
-    from prx_compile.export import ShapeRange
-    from prx_compile.program import Program
+    from prx_compile.shapes import ShapeRange
 
     root = torch.nn.Module()
     root._run_on_acc_0 = StandIn(2.0, b"first")
@@ -187,7 +187,7 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
     ]
     torch.testing.assert_close(program.run({"hidden_states": hs}, params, engines, constants), want)
 
-    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     model = torch.nn.Module()
     backend = TensorRTBackend(model, CompileConfig(), ShapeRange.static(1, 8, 8, 4))
     backend.program, backend.engines, backend.constants = program, engines, constants
@@ -208,7 +208,7 @@ def test_workers_convert_distinct_pieces_at_once_and_finish_puts_each_engine_in_
     import threading
     import time
 
-    from prx_compile.backends.repeats import Building
+    from prx_compile.backends.tensorrt.repeats import Building
 
     _, _, _, runs = partitions(LoweringSettings(attention="flash"))
     threads, grad = set(), []

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from prx_compile import schema as s
-from prx_compile.backends import trt_shim
-from prx_compile.backends.tensorrt import _check_provenance
+from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt.backend import _check_provenance
 from prx_compile.errors import ArtifactError, LoRAError
 
 
@@ -58,7 +58,7 @@ def test_sizes_are_refused_before_the_items_are_looked_at():
     for spec, huge in cases:
         with pytest.raises(s.SchemaError):
             s.check(spec, huge, "x")
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 0.5  # walking the items would take seconds
 
 
 def test_engine_records_and_provenance_are_read_through_the_schema():
@@ -69,7 +69,7 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
         "requires_output_allocator": False,
         "outputs_unowned": True,
     }
-    assert trt_shim.check_engine_record(good) is good
+    assert shim.check_engine_record(good) is good
     for path, bad in [
         ("engine record.inputs[0]", {**good, "inputs": ["$(rm -rf)"]}),
         (
@@ -80,7 +80,7 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
         ("engine record", {**good, "extra": 0}),
     ]:
         with pytest.raises(s.SchemaError) as e:
-            trt_shim.check_engine_record(bad)
+            shim.check_engine_record(bad)
         assert e.value.path == path
     assert _check_provenance({"c": ["p", "t"]}, {"p"}) == {"c": ("p", "t")}
     for bad in ({"c": ["p", "x"]}, {"c": ["q", "id"]}, {"c": "p"}, [["c", "p"]]):
@@ -108,7 +108,7 @@ def test_a_hostile_lora_record_is_a_lora_error_naming_the_field():
 
 
 def test_a_model_config_value_in_a_manifest_is_checked_by_its_type():
-    from prx_compile.saving import _check_value
+    from prx_compile.io.saving import _check_value
 
     _check_value("depth", 16, 16)
     _check_value("axes_dim", [32, 32], None)

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from prx_compile import BackendUnavailableError
-from prx_compile.backends import tensorrt, trt_shim
-from prx_compile.backends.tensorrt import TensorRTBackend, _check_provenance, _match_constant
+from prx_compile.backends.tensorrt import backend as trt_backend
+from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt.backend import TensorRTBackend, _check_provenance, _match_constant
 from prx_compile.config import CompileConfig
-from prx_compile.export import ShapeRange
 from prx_compile.ops import LINEAR, PRX_ATTENTION
+from prx_compile.shapes import ShapeRange
 
 
 def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=False, device=None, **kwargs):
@@ -18,8 +19,8 @@ def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=
 
 
 def test_required_settings_are_required(monkeypatch):
-    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: type("T", (), {"__version__": "9.9"}))
-    got = trt_shim.compile_settings(
+    monkeypatch.setattr(shim, "torch_tensorrt", lambda: type("T", (), {"__version__": "9.9"}))
+    got = shim.compile_settings(
         {"attn_bias_is_causal": False, "truncate_double": True}, {"decompose_attention": False}, fake_compile
     )
     assert got == {
@@ -28,7 +29,7 @@ def test_required_settings_are_required(monkeypatch):
     }  # an unknown optional one is left out
     assert "kwargs" in inspect.signature(fake_compile).parameters
     with pytest.raises(BackendUnavailableError, match=r"\['immutable_weights'\].*needs to be correct"):
-        trt_shim.compile_settings(
+        shim.compile_settings(
             {"immutable_weights": True, "device": "cuda"}, {}, lambda ep, *, device=None: None
         )
 
@@ -74,8 +75,8 @@ def test_saved_provenance_is_validated():
     ],
 )
 def test_linears_go_to_pytorch_as_range_and_static_linears_say(monkeypatch, shapes, overrides, in_torch):
-    monkeypatch.setattr(trt_shim, "compile_settings", lambda required, optional: {**optional, **required})
-    monkeypatch.setattr(tensorrt, "_cuda_device", str)  # no CUDA on this machine
+    monkeypatch.setattr(shim, "compile_settings", lambda required, optional: {**optional, **required})
+    monkeypatch.setattr(trt_backend, "_cuda_device", str)  # no CUDA on this machine
     backend = TensorRTBackend.__new__(TensorRTBackend)  # settings() only: no Torch-TensorRT needed
     backend.config, backend.shapes = CompileConfig(**overrides), shapes
     got = backend.settings()
@@ -91,14 +92,14 @@ def test_build_example_tensors_are_broadcast_zeros_of_the_shape_torch_tensorrt_p
             return torch.bfloat16
 
     static = type("Input", (), {"shape": (3, 4096, 1792), "dtype": TrtDtype()})()
-    t = trt_shim._zeros_example(static)
+    t = shim._zeros_example(static)
     assert t.shape == (3, 4096, 1792) and t.dtype == torch.bfloat16
     assert t.stride() == (0, 0, 0) and t.untyped_storage().nbytes() == 2  # one element, not 44 MB
     assert not t.any()
     shapes = {"min_shape": (1, 8), "opt_shape": (2, 8), "max_shape": (4, 8)}
     dynamic = type("Input", (), {"shape": shapes, "dtype": TrtDtype()})()
-    assert trt_shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
-    assert trt_shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)
+    assert shim._zeros_example(dynamic, "max_shape").shape == (4, 8)
+    assert shim._zeros_example(dynamic, "opt_shape").shape == (2, 8)
 
 
 class _Context:
@@ -119,7 +120,7 @@ class _EngineModule(torch.nn.Module):
 
 
 def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
-    arena = trt_shim.DeviceArena(torch.device("cpu"))
+    arena = shim.DeviceArena(torch.device("cpu"))
     modules = [_EngineModule(s) for s in (300, 1000, 40)]
     for m in modules:
         arena.attach(m)
@@ -135,11 +136,11 @@ def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
 
 
 def test_share_context_memory_gives_a_set_one_arena_or_none(monkeypatch):
-    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     shapes = ShapeRange.static(1, 8, 8, 4)
     on = TensorRTBackend(torch.nn.Module(), CompileConfig(device="cuda:0"), shapes)._new_arena()
     off = TensorRTBackend(torch.nn.Module(), CompileConfig(share_context_memory=False), shapes)._new_arena()
-    assert isinstance(on, trt_shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
+    assert isinstance(on, shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
 
 
 def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
@@ -160,16 +161,16 @@ def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
     }
     for name, module in fake.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(trt_shim, "torch_tensorrt", lambda: None)
+    monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     originals = (compiler.convert_module, conversion.release_host_and_device_memory, input_cls.example_tensor)
 
     def wrap(convert):
         return lambda *a, **k: f"ours around {convert()}"
 
     for release_memory in (False, True):
-        with trt_shim.building(wrap, release_memory=release_memory):
+        with shim.building(wrap, release_memory=release_memory):
             assert compiler.convert_module() == "ours around torch-tensorrt's"
-            assert input_cls.example_tensor is trt_shim._zeros_example
+            assert input_cls.example_tensor is shim._zeros_example
             conversion.release_host_and_device_memory()
         assert released == ([] if not release_memory else [1])
         assert (

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from prx_compile import _fp8_attention as fa
-from prx_compile import ops
+from prx_compile.ops import fp8_attention as fa
+from prx_compile.ops import library
 
 H, D, T = 28, 64, 256
 SHAPES = {"1024² b2": (2, 4096), "1024² b1": (1, 4096), "832x1216 b2": (2, 52 * 76)}
@@ -80,7 +80,7 @@ def inputs(b, lq, sharp, kept=(200, 40), seed=0):
 
 def exact(q, k_a, v_a, mask, k_b, v_b, scale):
     keep = torch.cat([mask, torch.ones(k_b.shape[:2], dtype=torch.bool, device="cuda")], 1)
-    return ops._reference(
+    return library._reference(
         q.float(), torch.cat([k_a, k_b], 1).float(), torch.cat([v_a, v_b], 1).float(), keep, scale
     )
 
@@ -111,10 +111,10 @@ def main(out: str) -> None:
         for sharp in (1.0, 4.0):
             x = inputs(b, lq, sharp)
             ref = exact(*x, scale)
-            bf = ops._joint(*x, scale)
+            bf = library._joint(*x, scale)
             row["bf16_cudnn"][f"rel_err_sharp{sharp:g}"] = rel(bf, ref)
             if sharp == 1.0:
-                row["bf16_cudnn"]["ms"] = ms(lambda x=x: ops._joint(*x, scale))
+                row["bf16_cudnn"]["ms"] = ms(lambda x=x: library._joint(*x, scale))
                 twin = fa.joint_attention_fp8_torch(*x, scale)
                 row["twin_rel_err_sharp1"] = rel(twin, ref)
             for bm, bn, w, st in CONFIGS:

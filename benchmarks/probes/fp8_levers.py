@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from prx_compile import fp8
-from prx_compile._kernels import gelu_mul_quant_fp8, row_quant_fp8
+from prx_compile.ops.kernels import gelu_mul_quant_fp8, row_quant_fp8
+from prx_compile.quant import fp8
 from prx_compile.tools.bench import environment, rel_err, time_cuda
 
 M, HIDDEN, MLP = 8192, 1792, 7168

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 import torch_tensorrt  # noqa: E402, F401
 from diffusers import PRXTransformer2DModel  # noqa: E402, F401
 
-from prx_compile import artifact, saving  # noqa: E402
-from prx_compile.backends import trt_shim  # noqa: E402
+from prx_compile.backends.tensorrt import shim  # noqa: E402
+from prx_compile.io import artifact, saving  # noqa: E402
 
 print(f"imports {time.perf_counter() - t0:.2f} s")
 spent: dict[str, float] = {}
@@ -43,8 +43,8 @@ for module, name in [
     (saving, "_load_model"),
     (artifact, "read_state"),
     (saving, "check_compatible"),
-    (trt_shim, "engine_module"),
-    (trt_shim, "use_runtime_cache"),
+    (shim, "engine_module"),
+    (shim, "use_runtime_cache"),
 ]:
     timed(module, name)
 t0 = time.perf_counter()
@@ -58,7 +58,7 @@ print(f"engines {time.perf_counter() - t0:.2f} s ({ct.report()['engines']} engin
 print({k: round(v, 2) for k, v in spent.items()})
 
 # one engine at a time: where an engine's load goes
-t = trt_shim.trt()
+t = shim.trt()
 from torch_tensorrt.logging import TRT_LOGGER  # noqa: E402
 
 steps: dict[str, list[float]] = {}

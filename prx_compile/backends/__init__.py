@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..config import CompileConfig
-from ..export import ShapeRange
+from ..shapes import ShapeRange
 from .base import Backend, BackendState
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..config import CompileConfig
-from ..export import ShapeRange
+from ..shapes import ShapeRange
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Matches: every ``prx_attention`` call (``attention: fused`` exports one per PRX block).
 Emits: ``prx_attention_fp8`` with the same arguments: the same norms and RoPE, then the joint
 attention with Q, K, V and the probabilities in e4m3 (one scale per 128 tokens and head, computed
-on the device), on FP8 tensor cores (``_fp8_attention``).
+on the device), on FP8 tensor cores (``ops.fp8_attention``).
 Not exact, by request: ``precision: fp8`` asks for FP8 arithmetic; the error it adds is measured in
 ``benchmarks/results/`` (README, Performance). Rows with padded text keys stay exact in the sense
 that those keys contribute nothing.

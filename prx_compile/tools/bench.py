@@ -144,9 +144,9 @@ def environment() -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         try:
-            from ..backends import trt_shim
+            from ..backends.tensorrt import shim
 
-            env.update(trt_shim.versions())
+            env.update(shim.versions())
         except Exception as e:  # no TensorRT here: say so in the file
             env["torch_tensorrt"] = f"unavailable ({type(e).__name__})"
     else:
@@ -166,7 +166,7 @@ def compile_path(config: Any = None, **overrides: Any) -> Factory:
     fp8 = CompileConfig.resolve(config, **overrides).precision == "fp8"
 
     def make(model):
-        from ..module import compile_prx
+        from ..runtime.module import compile_prx
 
         return compile_prx(copy.deepcopy(model) if fp8 else model, config=config, **overrides)
 
@@ -181,7 +181,7 @@ def _torchao_fp8(model):
     scales) on the same block linears as ``precision: fp8``, on a copy of the model."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    from ..fp8 import TARGETS
+    from ..quant.fp8 import TARGETS
 
     model = copy.deepcopy(model)
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
@@ -195,9 +195,9 @@ _torchao_fp8.dtype = "fp8"
 
 
 def _mttm(model):
-    from ..backends import trt_shim
+    from ..backends.tensorrt import shim
 
-    return trt_shim.torch_tensorrt().MutableTorchTensorRTModule(model, strict=False)
+    return shim.torch_tensorrt().MutableTorchTensorRTModule(model, strict=False)
 
 
 PATHS: dict[str, Factory] = {

@@ -213,7 +213,7 @@ def cmd_demo(args) -> int:
 def cmd_build(args) -> int:
     """Compile a PRX transformer and write an artifact (weights, engine sets, manifest)."""
     from .. import compile_prx, save_compiled
-    from ..artifact import check_target
+    from ..io.artifact import check_target
 
     check_target(Path(args.out), "artifact")  # before minutes of building: is the output usable?
     backend = _backend(args)
@@ -225,7 +225,7 @@ def cmd_build(args) -> int:
     path = save_compiled(ct, args.out)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
     print(f"wrote {path} ({size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s: {_summary_line(ct)}")
-    from ..saving import artifact_digest
+    from ..io.saving import artifact_digest
 
     print(f"  digest: {artifact_digest(path)}  (publish it; load with --digest or digest=)")
     for b in ct.backends:
@@ -508,8 +508,8 @@ def cmd_bench(args) -> int:
 
 def cmd_inspect(args) -> int:
     """A summary of an artifact (versions, GPU, engine sets, LoRA, files, hashes verified)."""
-    from ..artifact import open_artifact
-    from ..saving import KIND, inspect_artifact
+    from ..io.artifact import open_artifact
+    from ..io.saving import KIND, inspect_artifact
 
     if args.json:
         print(json.dumps(open_artifact(args.path, kind=KIND, verify=not args.no_verify).manifest, indent=1))

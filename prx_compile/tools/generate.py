@@ -64,8 +64,8 @@ from typing import Any
 import torch
 
 from .. import progress
-from ..artifact import write_atomic
 from ..errors import ConfigError, excerpt
+from ..io.artifact import write_atomic
 
 logger = logging.getLogger(__name__)
 

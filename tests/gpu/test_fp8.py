@@ -4,14 +4,15 @@ compile_prx (TensorRT) with fp8 against the fp8 and bf16 eager models, under the
 import pytest
 import torch
 
-from prx_compile import compile_prx, fp8, load_lora, set_lora, unload_lora
-from prx_compile._kernels import (
+from prx_compile import compile_prx, load_lora, set_lora, unload_lora
+from prx_compile.lora import make_random_lora
+from prx_compile.ops.kernels import (
     gelu_mul_quant_fp8,
     gelu_mul_quant_fp8_torch,
     row_quant_fp8,
     row_quant_fp8_torch,
 )
-from prx_compile.lora import make_random_lora
+from prx_compile.quant import fp8
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 

@@ -5,8 +5,9 @@ and compile_prx's fp8 preset with and without ``fp8_attention`` against eager (s
 import pytest
 import torch
 
-from prx_compile import _fp8_attention as fa
-from prx_compile import compile_prx, ops
+from prx_compile import compile_prx
+from prx_compile.ops import fp8_attention as fa
+from prx_compile.ops import library
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 
@@ -37,7 +38,7 @@ def case(b=2, lq=1000, la=77, lb=1000, h=4, d=64, kept=(50, 1), sharp=1.0, seed=
 
 def exact(q, k_a, v_a, mask, k_b, v_b, scale):
     keep = torch.cat([mask, torch.ones(k_b.shape[:2], dtype=torch.bool, device=mask.device)], 1)
-    return ops._reference(
+    return library._reference(
         q.float(), torch.cat([k_a, k_b], 1).float(), torch.cat([v_a, v_b], 1).float(), keep, scale
     )
 

@@ -4,8 +4,8 @@ PyTorch, and compile_prx with and without the fusion against eager (bf16, small 
 import pytest
 import torch
 
-from prx_compile import _kernels, compile_prx
-from prx_compile.ops import prx_attention, qk_norm_rope_torch
+from prx_compile import compile_prx
+from prx_compile.ops import kernels, prx_attention, qk_norm_rope_torch
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 
@@ -36,12 +36,12 @@ def test_triton_norm_rope_matches_pytorch(dtype):
     qkv = rand(b, seq, 3, h, d, dtype=dtype)
     w = 1 + 0.3 * rand(d, seed=1, dtype=dtype)
     rope = rotations(b, seq, d // 2)
-    got, v = _kernels.qk_norm_rope(qkv[:, :, 1], w, 1e-6, rope, qkv[:, :, 2])
+    got, v = kernels.qk_norm_rope(qkv[:, :, 1], w, 1e-6, rope, qkv[:, :, 2])
     ref = qk_norm_rope_torch(qkv[:, :, 1], w, 1e-6, rope)
     assert torch.equal(v, qkv[:, :, 2]) and v.is_contiguous()
     assert rel_err(got, ref) < 1e-3, rel_err(got, ref)  # rsqrt / FMA rounding only
     assert (got == ref).float().mean() > 0.9
-    got, _ = _kernels.qk_norm_rope(qkv[:, :, 0], w, 1e-6)
+    got, _ = kernels.qk_norm_rope(qkv[:, :, 0], w, 1e-6)
     assert rel_err(got, qk_norm_rope_torch(qkv[:, :, 0], w, 1e-6)) < 1e-3
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prx_compile import fp8
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import FP8_GATED_MLP, FP8_LINEAR
+from prx_compile.quant import fp8
 
 
 class Gated(torch.nn.Module):

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from prx_compile.config import CompileConfig
-from prx_compile.export import ShapeRange, example_inputs, export_prx, weight_tensors
+from prx_compile.export import example_inputs, export_prx, weight_tensors
 from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import LINEAR
+from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
 RANGE = ShapeRange((1, 2), (8, 16), (8, 16), (1, 12))

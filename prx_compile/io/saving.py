@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
-from . import artifact, fp8, lora, schema
+from .. import lora, schema
+from ..backends import backend_class, make_backend
+from ..config import DTYPES, CompileConfig
+from ..errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError, excerpt
+from ..quant import fp8
+from ..runtime.module import CompiledTransformer
+from ..shapes import ShapeRange
+from . import artifact
 from .artifact import field
-from .backends import backend_class, make_backend
-from .config import DTYPES, CompileConfig
-from .errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError, excerpt
-from .export import ShapeRange
-from .module import CompiledTransformer
 
 logger = logging.getLogger(__name__)
 KIND = "artifact"

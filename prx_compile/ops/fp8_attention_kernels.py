@@ -1,5 +1,5 @@
-"""The Triton kernels of ``_fp8_attention`` (imported only when they first run: triton ships with
-CUDA builds of torch). Layouts and arithmetic: ``_fp8_attention``'s docstring."""
+"""The Triton kernels of ``ops.fp8_attention`` (imported only when they first run: triton ships with
+CUDA builds of torch). Layouts and arithmetic: ``ops.fp8_attention``'s docstring."""
 
 import triton
 import triton.language as tl

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from ._kernels import FP8_MAX
+from ..ops.kernels import FP8_MAX
 
 #: the block linears that run in FP8, by module name
 TARGETS = re.compile(

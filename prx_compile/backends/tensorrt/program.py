@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import schema
-from .export import ACTIVATIONS
+from ... import schema
+from ...export import ACTIVATIONS
 
 aten = torch.ops.aten
 
@@ -220,7 +220,7 @@ class Program:
         except Exception as e:
             if not self.untrusted:
                 raise
-            from .errors import ArtifactError, one_line
+            from ...errors import ArtifactError, one_line
 
             where = "its output" if at is None else f"{at.out} ({at.engine if at.op == 'engine' else at.op})"
             raise ArtifactError(
@@ -532,7 +532,7 @@ def from_graph_module(
                 if name not in OPS:
                     raise ProgramError(
                         f"{name} (node {node.name}) runs in PyTorch between engines but is not in "
-                        "prx_compile.program.OPS"
+                        "prx_compile.backends.tensorrt.program.OPS"
                     )
                 args = [encode(a, env) for a in node.args]
                 kwargs = {k: encode(v, env) for k, v in node.kwargs.items()}

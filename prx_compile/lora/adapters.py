@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from . import fp8, schema
-from .errors import LoRAError, excerpt
-from .module import CompiledTransformer
+from .. import schema
+from ..errors import LoRAError, excerpt
+from ..quant import fp8
+from ..runtime.module import CompiledTransformer
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")

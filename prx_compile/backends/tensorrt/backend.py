@@ -4,7 +4,7 @@
 
 ``torch_tensorrt.dynamo.compile`` is the compiler inside Torch-TensorRT's MutableTorchTensorRTModule;
 compile_prx calls it on its own export, so the model is exported once, and keeps the result as a
-``Program`` (``prx_compile.program``) that runs, saves, loads and refits the same way.
+``Program`` (``program``, beside this module) that runs, saves, loads and refits the same way.
 
 Weights, by ``config.weights``:
 
@@ -18,9 +18,9 @@ Weights, by ``config.weights``:
   engine weight comes from which parameter is recorded at build time by a post-lowering pass that
   matches every graph constant to a parameter by value (constant folding turns ``W`` into ``W.T``).
 
-Torch-TensorRT hooks (``lowering.ENGINE_RULES``, that provenance pass, and ``trt_shim.building``: the
+Torch-TensorRT hooks (``lowering.ENGINE_RULES``, that provenance pass, and ``shim.building``: the
 per-partition converter and cheap example tensors) are active only while ``build`` runs. Settings
-correctness depends on are required (``trt_shim.compile_settings``).
+correctness depends on are required (``shim.compile_settings``).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from .. import progress, schema
-from ..errors import ArtifactError, LoRAError, PRXCompileError
-from ..export import ACTIVATIONS, export_prx, weight_tensors
-from ..lowering import ENGINE_RULES, lower
-from ..ops import (
+from ... import progress, schema
+from ...errors import ArtifactError, LoRAError, PRXCompileError
+from ...export import ACTIVATIONS, export_prx, weight_tensors
+from ...lowering import ENGINE_RULES, lower
+from ...ops import (
     FLASH_ATTENTION,
     FP8_GATED_MLP,
     FP8_LINEAR,
@@ -50,9 +50,9 @@ from ..ops import (
     PRX_ATTENTION,
     PRX_ATTENTION_FP8,
 )
-from ..program import Program, from_graph_module
-from . import trt_shim
-from .base import Backend, BackendState
+from ..base import Backend, BackendState
+from . import shim
+from .program import Program, from_graph_module
 from .repeats import SharedEngines
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class TensorRTBackend(Backend):
 
     def __init__(self, model, config, shapes):
         super().__init__(model, config, shapes)
-        trt_shim.torch_tensorrt()  # BackendUnavailableError with an install hint
+        shim.torch_tensorrt()  # BackendUnavailableError with an install hint
         self.program: Program | None = None
         self.engines: dict[str, torch.nn.Module] = {}
         self.constants: dict[str, torch.Tensor] = {}
@@ -76,7 +76,7 @@ class TensorRTBackend(Backend):
         self._pending: _Pending | None = None  # engines read from an artifact, not deserialised yet
         self._load_lock = threading.Lock()
         #: the execution contexts' device memory, one block for the set (``share_context_memory``)
-        self.arena: trt_shim.DeviceArena | None = None
+        self.arena: shim.DeviceArena | None = None
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -106,10 +106,10 @@ class TensorRTBackend(Backend):
             optional["min_block_size"] = 1  # the few ops between two GEMM ops (GELU * up, a residual)
         if cfg.optimization_level is not None:
             optional["optimization_level"] = cfg.optimization_level
-        return trt_shim.compile_settings(required, optional)
+        return shim.compile_settings(required, optional)
 
     def _engine_passes(self) -> list:
-        """Our post-lowering passes for one compile (``trt_shim.lowering_passes`` registers them)."""
+        """Our post-lowering passes for one compile (``shim.lowering_passes`` registers them)."""
         passes = list(ENGINE_RULES.values())
         if self.config.weights == "engine":
             passes.append(self._record_provenance)
@@ -117,7 +117,7 @@ class TensorRTBackend(Backend):
 
     def build(self, example: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        cfg, ttrt = self.config, trt_shim.torch_tensorrt()
+        cfg, ttrt = self.config, shim.torch_tensorrt()
         times = self.timings = {}
         with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
             ep, names = export_prx(
@@ -133,13 +133,13 @@ class TensorRTBackend(Backend):
         self.arena = self._new_arena()
 
         def converter(convert):  # each engine built with one execution context, shared where it can be
-            convert = trt_shim.one_context(convert, self.arena)
+            convert = shim.one_context(convert, self.arena)
             return sharing.wrap(convert) if sharing is not None else convert
 
         with (
             progress.stage("build TensorRT engines", times, "compile_s"),
-            trt_shim.lowering_passes(self._engine_passes()),
-            trt_shim.building(converter, release_memory=cfg.weights == "engine"),
+            shim.lowering_passes(self._engine_passes()),
+            shim.building(converter, release_memory=cfg.weights == "engine"),
             sharing if sharing is not None else contextlib.nullcontext(),
             torch.no_grad(),
         ):
@@ -153,14 +153,14 @@ class TensorRTBackend(Backend):
             if sharing is not None:
                 sharing.finish(gm)  # the engines still converting in threads
         self.program, self.engines, self.constants = program_of(
-            gm, trt_shim.engine_classes(), names, weight_tensors(self.model)
+            gm, shim.engine_classes(), names, weight_tensors(self.model)
         )
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
             times["engines_wall_s"] = sharing.wall_s
         for module in self.engines.values():
             if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
-                trt_shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
+                shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
         if self.arena is not None:
             self.arena.allocate()
         self._bind()
@@ -196,7 +196,7 @@ class TensorRTBackend(Backend):
         return {
             "engines": len(sizes),  # distinct engines: a block's engine runs once per block
             "engine_calls": sum(st.op == "engine" for st in self.program.steps),
-            "context_mb": sum(trt_shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
+            "context_mb": sum(shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
             "arena_mb": self.arena.nbytes / 2**20 if self.arena is not None else 0.0,
             "torch_segments": self.program.segments,
             "torch_ops": self.program.torch_ops(),
@@ -204,17 +204,17 @@ class TensorRTBackend(Backend):
         }
 
     def versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__, **trt_shim.versions()}
+        return {"torch": torch.__version__, **shim.versions()}
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> BackendState:
         pending = self._pending  # read from an artifact and not run yet: the bytes as they were read
         blobs = dict(pending.blobs) if pending else {}
         records = dict(pending.records) if pending else {}
-        records.update({n: trt_shim.engine_record(m) for n, m in self.engines.items()})
+        records.update({n: shim.engine_record(m) for n, m in self.engines.items()})
         for name, module in self.engines.items():
-            blobs[f"{name}.engine"] = trt_shim.engine_bytes(module, self.needs_refit)
-            cache = trt_shim.runtime_cache_bytes(module)
+            blobs[f"{name}.engine"] = shim.engine_bytes(module, self.needs_refit)
+            cache = shim.runtime_cache_bytes(module)
             if cache:
                 blobs[f"{name}.rtcache"] = cache
         meta = {
@@ -282,7 +282,7 @@ class TensorRTBackend(Backend):
         def load(name: str) -> torch.nn.Module:
             with torch.cuda.device(pending.device):  # the current device is per thread
                 try:
-                    return trt_shim.engine_module(
+                    return shim.engine_module(
                         pending.blobs[f"{name}.engine"],
                         pending.records[name],
                         name,
@@ -313,11 +313,11 @@ class TensorRTBackend(Backend):
             self.shapes.describe(),
         )
 
-    def _new_arena(self) -> trt_shim.DeviceArena | None:
+    def _new_arena(self) -> shim.DeviceArena | None:
         """One block of context memory for this set's engines (None: each context keeps its own)."""
         if not self.config.share_context_memory:
             return None
-        return trt_shim.DeviceArena(_cuda_device(self.config.device))
+        return shim.DeviceArena(_cuda_device(self.config.device))
 
     # -- refit (weights="engine") ---------------------------------------------------------------
     @property
@@ -355,14 +355,14 @@ class TensorRTBackend(Backend):
         covered: set[str] = set()
         for module in self.engines.values():
             updates = {}
-            for ew, (key, wdtype) in trt_shim.weight_name_map(module).items():
+            for ew, (key, wdtype) in shim.weight_name_map(module).items():
                 src = self.provenance.get(key)
                 if src is None or src[0] not in changed:
                     continue
                 fqn, transform = src
                 w = params[fqn].detach()
                 w = w.t() if transform == "t" else w
-                updates[ew] = w.to("cuda", trt_shim.torch_dtype_of(wdtype)).contiguous().reshape(-1)
+                updates[ew] = w.to("cuda", shim.torch_dtype_of(wdtype)).contiguous().reshape(-1)
                 covered.add(fqn)
             if updates:
                 plans.append((module, updates))
@@ -373,7 +373,7 @@ class TensorRTBackend(Backend):
                 "compile with weights='inputs' (the default): engines then read the parameters directly.",
             )
         for module, updates in progress.items(plans, "refit engines"):
-            trt_shim.refit_weights(module, updates)
+            shim.refit_weights(module, updates)
         self.refits += 1
         return {
             "refit_s": time.perf_counter() - t0,
@@ -443,7 +443,7 @@ _STATE = schema.Dict(
         "program": schema.Later("Program.from_json"),
         "engines": schema.Map(
             schema.Str(100, pattern=_NAME.pattern, what="an engine name ([A-Za-z0-9_])"),
-            trt_shim.ENGINE_RECORD,
+            shim.ENGINE_RECORD,
             max_len=10_000,
         ),
         "provenance": schema.Map(schema.Str(299), _PROVENANCE_ENTRY, max_len=100_000),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .export import weight_tensors
+from ..export import weight_tensors
 
 _NOT_NONE = functools.partial(operator.is_not, None)
 _VERSION = operator.attrgetter("_version")

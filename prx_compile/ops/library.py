@@ -215,12 +215,12 @@ def _joint(q, k_a, v_a, mask_a, k_b, v_b, scale):
         return _reference(
             q, torch.cat([k_a, k_b], 1), torch.cat([v_a, v_b], 1), torch.cat([mask_a, keep_b], 1), scale
         ).contiguous()
-    from . import _kernels
+    from . import kernels
 
     q = q.contiguous()
     o_b, lse_b = _dense_part(q, k_b, v_b, scale)
     o_a, lse_a = _masked_part(q, k_a.contiguous(), v_a.contiguous(), mask_a, scale)
-    return _kernels.merge(o_b, lse_b, o_a, lse_a)
+    return kernels.merge(o_b, lse_b, o_a, lse_a)
 
 
 @joint_attention.register_fake
@@ -251,10 +251,10 @@ def qk_norm_rope_torch(
 
 def _norm_rope(x, weight, eps, rope, v):
     """(normalised x, contiguous v): the Triton kernel where it applies, else PyTorch ops."""
-    from . import _kernels
+    from . import kernels
 
-    if _kernels.norm_rope_supported(x) and weight.dtype == x.dtype:
-        return _kernels.qk_norm_rope(x, weight, eps, rope, v)
+    if kernels.norm_rope_supported(x) and weight.dtype == x.dtype:
+        return kernels.qk_norm_rope(x, weight, eps, rope, v)
     return qk_norm_rope_torch(x, weight, eps, rope), (v.contiguous() if v is not None else None)
 
 
@@ -358,9 +358,9 @@ def prx_attention_fp8(
 
     Same arguments and result shape. The norms and RoPE run as in ``prx_attention``; then queries,
     keys and values are quantised to e4m3 with one scale per 128 tokens and head, computed on the
-    device, and attention runs on FP8 tensor cores (``_fp8_attention.joint_attention_fp8``; padded
+    device, and attention runs on FP8 tensor cores (``fp8_attention.joint_attention_fp8``; padded
     text keys contribute nothing). Elsewhere (CPU, or a GPU or head dim the kernels do not take) the
-    named fallback ``_fp8_attention.joint_attention_fp8_torch`` runs the same quantisation in PyTorch
+    named fallback ``fp8_attention.joint_attention_fp8_torch`` runs the same quantisation in PyTorch
     ops with exact attention after it.
     """
     return _prx_attention(
@@ -375,7 +375,7 @@ def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads
 
 
 def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale):
-    from . import _fp8_attention as fa
+    from . import fp8_attention as fa
 
     if fa.supported(q):
         return fa.joint_attention_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale)
@@ -414,11 +414,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """(..., K) @ (N, K).T -> (..., N) in x's dtype, as ``torch._scaled_mm`` over float8_e4m3fn.
 
-    ``weight_fp8`` (N, K) float8_e4m3fn and ``weight_scale`` (N,) fp32 (``fp8.quantize_weight``);
-    each row of ``x`` gets its own scale (``_kernels.row_quant_fp8``, one Triton pass on CUDA). On a
+    ``weight_fp8`` (N, K) float8_e4m3fn and ``weight_scale`` (N,) fp32 (``quant.fp8.quantize_weight``);
+    each row of ``x`` gets its own scale (``kernels.row_quant_fp8``, one Triton pass on CUDA). On a
     CPU the same quantisation runs with torch ops and PyTorch's CPU ``_scaled_mm``.
     """
-    from ._kernels import row_quant_fp8
+    from .kernels import row_quant_fp8
 
     _expect(x.dim() >= 1, "fp8_linear needs x (..., K)")
     k = x.shape[-1]
@@ -450,10 +450,10 @@ def fp8_gated_mlp(
 
     Each GEMM is ``fp8_linear``'s (bias-free), so the result is that composition, with two passes
     fewer: ``x`` is quantised once for gate and up, and the GELU, the product and the quantisation
-    for down are one Triton pass on CUDA (``_kernels.gelu_mul_quant_fp8``). Weights (N, K), (N, K),
+    for down are one Triton pass on CUDA (``kernels.gelu_mul_quant_fp8``). Weights (N, K), (N, K),
     (K', N) float8_e4m3fn with (N,), (N,), (K',) fp32 scales.
     """
-    from ._kernels import gelu_mul_quant_fp8, row_quant_fp8
+    from .kernels import gelu_mul_quant_fp8, row_quant_fp8
 
     _expect(x.dim() >= 1, "fp8_gated_mlp needs x (..., K)")
     k = x.shape[-1]

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from ..backends import Backend, backend_class
+from ..errors import ArtifactError
+from ..shapes import ShapeRange
 from . import artifact
-from .backends import Backend, backend_class
-from .errors import ArtifactError
-from .export import ShapeRange
 
 logger = logging.getLogger(__name__)
 KIND = "cache-entry"

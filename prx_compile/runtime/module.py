@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
-from . import fp8, progress
-from .backends import Backend, make_backend
-from .config import DTYPES, CompileConfig
+from .. import progress
+from ..backends import Backend, make_backend
+from ..config import DTYPES, CompileConfig
+from ..errors import ConfigError, LoRAError, ShapeOutOfRangeError
+from ..export import example_inputs
+from ..quant import fp8
+from ..shapes import ShapeRange
 from .cudagraphs import CUDAGraphRunner
-from .errors import ConfigError, LoRAError, ShapeOutOfRangeError
-from .export import ShapeRange, example_inputs
 from .watch import ModelWatch, changes, signature
 
 logger = logging.getLogger(__name__)
@@ -294,7 +296,7 @@ class CompiledTransformer(torch.nn.Module):
         t0 = time.perf_counter()
         with progress.stage(f"engine set {index + 1}/{len(self.backends)}: {backend.shapes.describe()}"):
             if self.compile_config.engine_cache_dir:
-                from .cache import build_through_cache
+                from ..io.cache import build_through_cache
 
                 backend, hit = build_through_cache(backend, example)
                 self.cache_hits.append(hit)
@@ -607,7 +609,7 @@ class CompiledTransformer(torch.nn.Module):
         height, 3 latent width; ``encoder_hidden_states`` and ``attention_mask`` 0 batch, 1 text tokens;
         ``timestep`` 0 batch. Axes not named keep the current range. The range set is replaced (built
         at its first call); the static sets stay. Returns the new range."""
-        from .export import ACTIVATIONS
+        from ..export import ACTIVATIONS
 
         spec = dict(zip(ACTIVATIONS, args_dynamic_shape, strict=False))
         spec.update(kwargs_dynamic_shape or {})
@@ -786,9 +788,9 @@ def compile_prx(
         )
     device = next(transformer.parameters()).device
     if cfg.backend == "tensorrt":
-        from .backends import trt_shim
+        from ..backends.tensorrt import shim
 
-        trt_shim.torch_tensorrt()  # BackendUnavailableError with an install hint, before anything moves
+        shim.torch_tensorrt()  # BackendUnavailableError with an install hint, before anything moves
         if device.type != "cuda":
             logger.info("moving the transformer to %s for TensorRT", cfg.device)
             transformer.to(cfg.device)

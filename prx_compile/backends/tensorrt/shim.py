@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .. import schema
-from ..errors import BackendUnavailableError
+from ... import schema
+from ...errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from . import schema
-from .errors import ArtifactError
+from .. import schema
+from ..errors import ArtifactError
 
 logger = logging.getLogger(__name__)
 
@@ -575,7 +575,7 @@ def write_state(writer: Writer, prefix: str, state) -> dict[str, Any]:
 
 def read_state(reader: Reader, prefix: str, record: Any, where: str, device: torch.device | str):
     """The BackendState ``write_state`` recorded (blobs and tensors read from the artifact)."""
-    from .backends import BackendState
+    from ..backends import BackendState
 
     if not isinstance(record, dict) or set(record) != {"meta", "blobs", "tensors"}:
         raise ArtifactError(f"{where} must have exactly the keys ['blobs', 'meta', 'tensors'].")
@@ -603,11 +603,11 @@ def gpu() -> dict[str, Any] | None:
 def versions(with_tensorrt: bool) -> dict[str, str]:
     import diffusers
 
-    from ._version import __version__
+    from .._version import __version__
 
     v = {"torch": torch.__version__, "diffusers": diffusers.__version__, "prx_compile": __version__}
     if with_tensorrt:
-        from .backends import trt_shim
+        from ..backends.tensorrt import shim
 
-        v.update(trt_shim.versions())
+        v.update(shim.versions())
     return v

@@ -30,14 +30,14 @@ def _kernels():
     """(quant_kv, attention, triton), imported on first use."""
     import triton
 
-    from . import _fp8_attention_kernels as k
+    from . import fp8_attention_kernels as k
 
     return k._quant_kv, k._attention, triton
 
 
 def supported(q: torch.Tensor) -> bool:
     """The kernels' domain: CUDA, fp16/bf16, head dim a power of two in 32..128, Triton present."""
-    from ._kernels import triton_available
+    from .kernels import triton_available
 
     d = q.shape[-1]
     return (

@@ -126,7 +126,7 @@ class SharedEngines:
     """A per-partition converter that converts each distinct partition once, ``workers`` at a time.
 
     ``wrap(convert)`` takes Torch-TensorRT's ``convert_module(module, inputs, settings=..., name=...)``
-    and returns this object, which Torch-TensorRT then calls in its place (``trt_shim.building``).
+    and returns this object, which Torch-TensorRT then calls in its place (``shim.building``).
 
     With ``workers`` > 1 a new partition is converted in a thread while Torch-TensorRT goes on to
     the next one: the call returns a ``Building`` stand-in at once (Torch-TensorRT 2.11 only sets it

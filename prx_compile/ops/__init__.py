@@ -1,0 +1,42 @@
+"""Ops: the custom operators that lowering rules emit and that stay in PyTorch, between TensorRT engines.
+
+* ``library``: the ``torch.ops.prx_compile.*`` operators, registered when this package is imported;
+* ``kernels``: their Triton kernels with PyTorch twins (merge, QK norm + RoPE, FP8 quantisation);
+* ``fp8_attention`` and ``fp8_attention_kernels``: FP8 joint attention (``precision: fp8``).
+"""
+
+from .library import (
+    FLASH_ATTENTION,
+    FP8_GATED_MLP,
+    FP8_LINEAR,
+    JOINT_ATTENTION,
+    LINEAR,
+    PRX_ATTENTION,
+    PRX_ATTENTION_FP8,
+    flash_attention,
+    fp8_gated_mlp,
+    fp8_linear,
+    joint_attention,
+    linear,
+    prx_attention,
+    prx_attention_fp8,
+    qk_norm_rope_torch,
+)
+
+__all__ = [
+    "FLASH_ATTENTION",
+    "FP8_GATED_MLP",
+    "FP8_LINEAR",
+    "JOINT_ATTENTION",
+    "LINEAR",
+    "PRX_ATTENTION",
+    "PRX_ATTENTION_FP8",
+    "flash_attention",
+    "fp8_gated_mlp",
+    "fp8_linear",
+    "joint_attention",
+    "linear",
+    "prx_attention",
+    "prx_attention_fp8",
+    "qk_norm_rope_torch",
+]
