@@ -86,6 +86,38 @@ def test_many_results_kept_alive_are_refused():
     timed_failure(program, r"failed at v9 \(aten\.clone\.default\).*its results hold")
 
 
+def test_what_engines_make_raises_the_bound_and_the_program_stays_bounded_by_it():
+    """With weights in the engines (``weights: engine``) an engine's result can be far larger than
+    the step's inputs: the ops after it (here its first output, doubled) may work on that size, and
+    a copy of it per step still cannot pile up past 16x what the engines made."""
+    big = torch.ones(64, 1024, 64)  # 16 MiB from 1 KiB of input: past 16x the inputs' 4 MiB floor
+
+    def engine(x):
+        return [big + x.sum(), big]
+
+    data = {
+        "inputs": ["hidden_states"],
+        "steps": [
+            {"op": "engine", "engine": "e0", "args": [X], "kwargs": {}, "out": "v0"},
+            {"op": "operator.getitem", "engine": None, "args": [{"ref": "v0"}, 0], "kwargs": {}, "out": "v1"},
+            {"op": "aten.mul.Tensor", "engine": None, "args": [{"ref": "v1"}, 2], "kwargs": {}, "out": "v2"},
+        ],
+        "output": {"ref": "v2"},
+        "segments": 1,
+    }
+    program = Program.from_json(data, engines={"e0"}, params=set(), constants=set())
+    out = program.run(INPUTS, {}, {"e0": engine}, {})
+    assert torch.equal(out, (big + INPUTS["hidden_states"].sum()) * 2)
+    data["steps"] += [
+        {"op": "aten.clone.default", "engine": None, "args": [{"ref": "v2"}], "kwargs": {}, "out": f"v{i}"}
+        for i in range(3, 60)
+    ]
+    data["output"] = {"tuple": [{"ref": f"v{i}"} for i in range(3, 60)]}
+    hoard = Program.from_json(data, engines={"e0"}, params=set(), constants=set())
+    with pytest.raises(ArtifactError, match="its results hold"):
+        hoard.run(INPUTS, {}, {"e0": engine}, {})
+
+
 @pytest.mark.parametrize("output", [1, None, {"ref": "v0"}])
 def test_an_output_that_is_not_a_tensor_is_refused(output):
     program = load([("aten.sym_size.int", [X, 0], {})], output)

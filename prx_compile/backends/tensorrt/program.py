@@ -197,7 +197,7 @@ class Program:
         if self.untrusted:  # only a Program read from JSON pays for the shapes check
             signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
             if signature not in self._checked:
-                guard = _Guard([*inputs.values(), *params.values()])
+                guard = _Guard([*inputs.values(), *params.values(), *constants.values()])
         at = None  # the step running, for the error
         try:
             for at, done in zip(self.steps, self.frees(), strict=True):
@@ -208,6 +208,8 @@ class Program:
                     guard.before(fn, args, kwargs)
                 env[at.out] = fn(*args, **kwargs)
                 if guard is not None:
+                    if at.op == "engine":  # what an engine makes is the artifact's engine, not the Program
+                        guard.given(env[at.out])
                     guard.after(env[at.out])
                 for name in done:  # a result no later step reads: its memory can be reused now
                     if guard is not None:
@@ -330,8 +332,9 @@ class Program:
         return cls(list(inputs), steps, data["output"], data["segments"], untrusted=True)
 
 
-#: a loaded Program's result may be at most this many times the largest tensor it was given, and
-#: its live results together this many times all it was given (at least a few MiB either way)
+#: a loaded Program's result may be at most this many times the largest tensor it was given (its
+#: inputs, the weights, constants and the engines' results), and its live results together this
+#: many times all it was given (at least a few MiB either way)
 GROWTH = 16
 MAX_TENSOR_BYTES = 64 * 2**30
 MAX_INT = 2**63
@@ -344,11 +347,17 @@ class _Guard:
     counted as they are made and dropped."""
 
     def __init__(self, given: list[Any]):
-        sizes = [t.numel() * t.element_size() for t in given if isinstance(t, torch.Tensor)]
-        self.max_bytes = min(MAX_TENSOR_BYTES, max(2**22, GROWTH * max(sizes, default=0)))
-        self.max_live = max(2**24, GROWTH * sum(sizes))
+        self.largest = self.total = 0
         self.live: dict[int, list[int]] = {}  # storage address -> [bytes, results holding it]
         self.live_bytes = 0
+        self.given(given)
+
+    def given(self, tensors: Any) -> None:
+        """Tensors the Program did not make (inputs, weights, constants, an engine's results)."""
+        sizes = [t.numel() * t.element_size() for t in _tensors(tensors)]
+        self.largest, self.total = max([self.largest, *sizes]), self.total + sum(sizes)
+        self.max_bytes = min(MAX_TENSOR_BYTES, max(2**22, GROWTH * self.largest))
+        self.max_live = max(2**24, GROWTH * self.total)
 
     def before(self, fn: Callable, args: list, kwargs: dict) -> None:
         meta = torch.utils._pytree.tree_map(_as_meta, (args, kwargs))
