@@ -71,3 +71,12 @@ def test_ops_are_exportable_and_keep_their_names():
     args = (rand(1, 4, 2, 8), rand(1, 6, 2, 8), rand(1, 6, 2, 8), torch.ones(1, 6, dtype=torch.bool))
     ep = torch.export.export(M(), args)
     assert any(n.target == torch.ops.prx_compile.flash_attention.default for n in ep.graph.nodes)
+
+
+def test_the_warm_up_runs_the_attention_op_and_starts_only_for_a_cuda_prx():
+    from prx_compile.ops import warm_up
+    from prx_compile.tools.testing import TINY_PRX, make_prx
+
+    warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"))  # no error
+    assert warm_up.in_background(make_prx(TINY_PRX), fp8=False) is None  # a CPU model: nothing to warm
+    assert warm_up.in_background(torch.nn.Linear(2, 2), fp8=False) is None  # no PRX config

@@ -49,6 +49,7 @@ from ...ops import (
     LINEAR,
     PRX_ATTENTION,
     PRX_ATTENTION_FP8,
+    warm_up,
 )
 from ..base import Backend, BackendState
 from . import shim
@@ -119,6 +120,9 @@ class TensorRTBackend(Backend):
         t0 = time.perf_counter()
         cfg, ttrt = self.config, shim.torch_tensorrt()
         times = self.timings = {}
+        # the ops kept in PyTorch get their kernels compiled while the engines build
+        fused = cfg.attention == "fused"
+        warming = warm_up.in_background(self.model, cfg.precision == "fp8") if fused else None
         with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
             ep, names = export_prx(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
@@ -163,6 +167,9 @@ class TensorRTBackend(Backend):
                 shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
         if self.arena is not None:
             self.arena.allocate()
+        if warming is not None:
+            warming.join()
+            times["warm_up_s"] = warming.seconds
         self._bind()
         torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0
