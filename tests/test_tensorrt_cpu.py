@@ -178,3 +178,13 @@ def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
             conversion.release_host_and_device_memory,
             input_cls.example_tensor,
         ) == originals
+
+
+def test_contexts_that_need_no_memory_get_a_one_byte_block_and_report_none():
+    arena = shim.DeviceArena(torch.device("cpu"))
+    modules = [_EngineModule(0), _EngineModule(0)]
+    for m in modules:
+        arena.attach(m)
+    arena.allocate()
+    assert arena.nbytes == 0 and arena.block.numel() == 1  # TensorRT still gets an address to use
+    assert {m.context.memory for m in modules} == {(arena.block.data_ptr(), 1)}

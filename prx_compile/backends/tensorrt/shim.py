@@ -418,12 +418,14 @@ class DeviceArena:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.block: torch.Tensor | None = None
+        self.size = 0
         self._modules: list[torch.nn.Module] = []
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.block is None else self.block.numel()
+        """The largest attached context's memory (the block holds at least one byte)."""
+        return 0 if self.block is None else self.size
 
     def attach(self, module: torch.nn.Module) -> None:
         """Record ``module``, whose context was made ``USER_MANAGED``: it runs once ``allocate`` ran."""
@@ -433,10 +435,10 @@ class DeviceArena:
     def allocate(self) -> None:
         """One block for every attached context (again after more were attached)."""
         with self._lock:
-            size = max([context_memory_bytes(m) for m in self._modules] + [1])
-            if self.block is None or size > self.block.numel():
+            self.size = max([context_memory_bytes(m) for m in self._modules] + [0])
+            if self.block is None or self.size > self.block.numel():
                 self.block = None  # the old one back to the allocator before the new one is taken
-                self.block = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self.block = torch.empty(max(self.size, 1), dtype=torch.uint8, device=self.device)
             for m in self._modules:
                 _set_device_memory(m.context, self.block)
 
