@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,9 @@ from prx_compile import ConfigError
 from prx_compile.tools.generate import generate_images, image_name, shares
 
 from ._cli import run_cli
+
+#: a folder whose sitecustomize.py kills the worker of rank $PRX_TEST_KILL_RANK (see the file)
+KILL_RANK = str(Path(__file__).parent / "kill_rank")
 
 # words of the tiny tokenizer's vocabulary; 7 prompts: 2 ranks take 4 and 3
 PROMPTS = [
@@ -99,10 +103,13 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference, capfd):
 
 
 def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference, capfd):
-    """The launcher in this process, its workers real processes (their stderr is this process's fd 2)."""
+    """The launcher in this process, its workers real processes (their stderr is this process's fd 2);
+    rank 1 is killed by ``tests/kill_rank/sitecustomize.py`` once loaded, before its first image."""
     out = work / "killed"
     t0 = time.monotonic()
-    r = run(work, "--num-processes", "2", "--out-dir", str(out), env={"PRX_COMPILE_TEST_KILL_RANK": "1"})
+    path = os.pathsep.join(p for p in (KILL_RANK, os.environ.get("PYTHONPATH")) if p)
+    kill = {"PRX_TEST_KILL_RANK": "1", "PYTHONPATH": path}
+    r = run(work, "--num-processes", "2", "--out-dir", str(out), env=kill)
     assert time.monotonic() - t0 < 120  # no hang
     workers = capfd.readouterr().err
     assert r.returncode == 1, r.stderr + workers

@@ -76,8 +76,6 @@ RUN_ENV = "PRX_COMPILE_RUN"
 TOKEN_ENV = "PRX_COMPILE_RUN_TOKEN"
 #: The engine cache folder shared by the processes of a run (``default_engine_cache``).
 CACHE_ENV = "PRX_COMPILE_CACHE"
-#: Test hook: the rank with this number kills itself (SIGKILL) after loading, before its first image.
-TEST_KILL_ENV = "PRX_COMPILE_TEST_KILL_RANK"
 #: How long the processes of a run wait for each other to form the process group at start.
 START_TIMEOUT_S = 600
 #: How long a ready rank waits for the others to finish loading before it starts anyway (a rank of
@@ -419,8 +417,6 @@ def _run_share(
             pipe.set_progress_bar_config(disable=True)  # the coordinator's bar is the only one
         size = default_size(pipe) or (None, None)
         call["height"], call["width"] = call["height"] or size[0], call["width"] or size[1]
-        if os.environ.get(TEST_KILL_ENV) == str(rank):
-            os.kill(pid, signal.SIGKILL)
         _wait_for_peers(run_dir, world, rank, host, token)
         record["generate_start"] = time.time()
         t1 = time.perf_counter()
