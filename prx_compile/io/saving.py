@@ -179,8 +179,7 @@ def load_compiled(
                 backends.append(backend_class(config).from_state(model, config, s, state))
             except (ValueError, TypeError, KeyError, AttributeError) as e:  # a malformed state, named
                 raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
-    compiled = CompiledTransformer(model, config, backends or None)
-    compiled.load_s = time.perf_counter() - t0
+    compiled = CompiledTransformer(model, config, backends or None, load_s=time.perf_counter() - t0)
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
     return compiled
 

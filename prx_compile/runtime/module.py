@@ -67,7 +67,11 @@ class CompiledTransformer(torch.nn.Module):
     """
 
     def __init__(
-        self, transformer: torch.nn.Module, config: CompileConfig, backends: list[Backend] | None = None
+        self,
+        transformer: torch.nn.Module,
+        config: CompileConfig,
+        backends: list[Backend] | None = None,
+        load_s: float | None = None,
     ):
         super().__init__()
         object.__setattr__(self, "transformer", transformer)  # not a submodule: no duplicate params
@@ -93,7 +97,7 @@ class CompiledTransformer(torch.nn.Module):
         self._moved_warned = False
         self.builds = 0
         self.cache_hits: list[dict[str, Any]] = []
-        self.load_s: float | None = None
+        self.load_s = load_s  # seconds load_compiled took to make this module (None: compiled here)
         if type(self) is CompiledTransformer and isinstance(transformer, _model_mixin()):
             self.__class__ = _compiled_class(type(transformer))  # what diffusers saves (save_pretrained)
         self._ready = True  # from here on, attributes it does not own are the transformer's

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .. import CompiledTransformer
+
 logger = logging.getLogger(__name__)
 
 
@@ -294,10 +296,10 @@ def run_bench(
                 t = time_cuda(step, warmup=warmup, iters=iters)
                 rec.ms_per_step = t["ms"]
                 rec.extra.update({k: t[k] for k in ("mean", "p90")})
-                if hasattr(fn, "report"):
+                if isinstance(fn, CompiledTransformer):
                     r = fn.report()
                     # engines and segments of the set that ran this case
-                    served = fn.engine_set_for(kw) if hasattr(fn, "engine_set_for") else None
+                    served = fn.engine_set_for(kw)
                     s = served.report() if served is not None and served.is_built else r
                     rec.engines, rec.torch_segments = s["engines"], s["torch_segments"]
                     rec.weights = r["weights"]

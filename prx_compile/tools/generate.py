@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from .. import progress
+from .. import CompiledTransformer, progress
 from ..errors import ConfigError, excerpt
 from ..io.artifact import write_atomic
 
@@ -115,10 +115,9 @@ def default_engine_cache() -> str:
 def default_size(pipe: Any) -> tuple[int, int] | None:
     """(height, width) in pixels of the compiled transformer's first engine set (its first serving
     shape), or None when ``pipe.transformer`` is not compiled."""
-    backends = getattr(pipe.transformer, "backends", None)
-    if not backends:
+    if not isinstance(pipe.transformer, CompiledTransformer) or not pipe.transformer.backends:
         return None
-    _, h, w, _ = backends[0].shapes.opt_point()
+    _, h, w, _ = pipe.transformer.backends[0].shapes.opt_point()
     return h * pipe.vae_scale_factor, w * pipe.vae_scale_factor
 
 
@@ -436,7 +435,7 @@ def _run_share(
         if record["written"]:
             record["images_per_s"] = round(len(record["written"]) / record["generate_s"], 4)
         transformer = getattr(pipe, "transformer", None)
-        if hasattr(transformer, "builds"):  # a CompiledTransformer: engine sets built here / loaded
+        if isinstance(transformer, CompiledTransformer):  # engine sets built here / loaded
             record["engine_builds"] = transformer.builds
             record["engine_cache_loads"] = sum(1 for h in transformer.cache_hits if h["load_s"] is not None)
         return record
