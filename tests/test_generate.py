@@ -269,7 +269,15 @@ def test_records_and_status_folders_read_from_disk_are_checked(tmp_path):
         "engine_cache_loads": None,
     }
     assert _valid_record(good, 1) and not _valid_record(good, 0)
-    for key, bad in (("written", ["3"]), ("failed", {"3": 4}), ("generate_end", None), ("host", 7)):
+    for key, bad in (
+        ("written", ["3"]),
+        ("failed", {"3": 4}),
+        ("generate_end", None),
+        ("host", 7),
+        ("host", "h" * 10_000),  # sizes are bounded
+        ("images_per_s", float("nan")),
+        ("unexpected", 1),  # the record's keys are exactly those _run_share writes
+    ):
         assert not _valid_record({**good, key: bad}, 1), key
     os.mkfifo(tmp_path / "fifo.json")
     (tmp_path / "real.json").write_text('{"a": 1}')

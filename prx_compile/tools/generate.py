@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from .. import CompiledTransformer, progress
+from .. import CompiledTransformer, progress, schema
 from ..errors import ConfigError, excerpt
 from ..io.artifact import write_atomic
 
@@ -203,31 +203,48 @@ def _valid_pid(pid: Any) -> bool:
     return isinstance(pid, int) and not isinstance(pid, bool) and pid > 1
 
 
-_OPTIONAL_NUMBERS = ("setup_s", "engine_builds", "engine_cache_loads", "torch_threads")
+_SECONDS = schema.Float(0, 1e11)  # durations, and times since the epoch
+_MAYBE = schema.Null()
+_INDICES = schema.List(schema.Int(0, 2**31), max_len=10**7)
+#: a rank's record as ``_run_share`` writes it; read back from the run folder by the coordinator
+_RECORD = schema.Dict(
+    {
+        "kind": schema.Str(4, choices=("rank",)),
+        "token": schema.Str(32, pattern=_TOKEN.pattern),
+        "rank": schema.Int(0, 2**20),
+        "host": schema.Str(255),
+        "pid": schema.Int(0, 2**31),
+        "device": schema.Str(64),
+        "share": schema.Tuple(schema.Int(0, 2**31), schema.Int(0, 2**31)),
+        "written": _INDICES,
+        "skipped": _INDICES,
+        "failed": schema.Map(schema.Str(10), schema.Str(400), max_len=10**7),
+        "error": schema.OneOf(_MAYBE, schema.Str(400)),
+        "setup_s": schema.OneOf(_MAYBE, _SECONDS),
+        "generate_s": _SECONDS,
+        "generate_start": schema.OneOf(_MAYBE, _SECONDS),
+        "generate_end": schema.OneOf(_MAYBE, _SECONDS),
+        "images_per_s": schema.Float(0, 1e9),
+        "engine_builds": schema.OneOf(_MAYBE, schema.Int(0, 2**20)),
+        "engine_cache_loads": schema.OneOf(_MAYBE, schema.Int(0, 2**20)),
+        "torch_threads": schema.OneOf(_MAYBE, schema.Int(0, 2**20)),
+    },
+    optional=(
+        *("token", "pid", "share", "error", "torch_threads", "setup_s"),
+        *("engine_builds", "engine_cache_loads", "generate_start", "generate_end"),
+    ),
+)
 
 
 def _valid_record(rec: dict[str, Any], rank: int) -> bool:
     """A rank's record as ``_run_share`` writes it (it is read back from disk: check before use)."""
-
-    def ints(v):
-        return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    failed = rec.get("failed")
-    return (
-        rec.get("kind") == "rank"
-        and rec.get("rank") == rank
-        and ints(rec.get("written"))
-        and ints(rec.get("skipped"))
-        and isinstance(failed, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in failed.items())
-        and all(isinstance(rec.get(k), str) for k in ("host", "device"))
-        and all(rec.get(k) is None or number(rec[k]) for k in _OPTIONAL_NUMBERS)
-        and all(number(rec.get(k)) for k in ("generate_s", "images_per_s"))
-        and (not rec["written"] or all(number(rec.get(k)) for k in ("generate_start", "generate_end")))
-    )
+    try:
+        schema.check(_RECORD, rec, f"rank-{rank}.json")
+    except schema.SchemaError as e:
+        logger.debug("%s", e)
+        return False
+    started = rec.get("generate_start") is not None and rec.get("generate_end") is not None
+    return rec["rank"] == rank and (started or not rec["written"])
 
 
 def _alive(pid: int) -> bool:
