@@ -261,3 +261,12 @@ def test_report_says_where_each_sets_first_call_went(capsys):
     assert "export (" in err and "first step (" in err
     ct(**prx_inputs(model, text=16, seed=1), return_dict=False)  # a later call times nothing more
     assert ct.report()["engine_sets"][0]["timings"] == times
+
+
+def test_every_backend_reports_the_same_typed_fields():
+    from prx_compile.backends.base import SetReport
+
+    compiled = compile_prx(make_prx(), backend="eager", static=True, **SMALL_RANGE).build()
+    report = compiled.backends[0].report()
+    assert set(report) == set(SetReport.__annotations__), report
+    assert (report["engines"], report["torch_segments"], compiled.report()["engine_calls"]) == (0, 1, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -20,6 +20,18 @@ class BackendState:
     meta: dict[str, Any]
     blobs: dict[str, bytes] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class SetReport(TypedDict):
+    """What one built engine set is made of (``Backend.report()``; sizes in MiB)."""
+
+    engines: int  # distinct engines (a block's engine is one engine, called once per block)
+    engine_calls: int  # engine calls in one step
+    torch_segments: int  # runs of PyTorch ops between engines
+    torch_ops: dict[str, int]  # prx_compile ops kept in PyTorch, by name
+    context_mb: float  # the execution contexts' activation memory, summed
+    arena_mb: float  # the one block they run on (``share_context_memory``; 0: none)
+    engine_mb: float  # serialized engines
 
 
 class Backend(abc.ABC):
@@ -55,9 +67,9 @@ class Backend(abc.ABC):
     def load(self) -> None:  # noqa: B027 (optional hook: most backends defer nothing)
         """Finish what ``from_state`` deferred (e.g. deserialising engines) before the first call."""
 
-    def report(self) -> dict[str, Any]:
-        """{"engines", "torch_segments", "torch_ops": {op: count}} of what was built."""
-        return {"engines": 0, "torch_segments": 0, "torch_ops": {}}
+    def report(self) -> SetReport:
+        """What was built (``SetReport``); a backend without engines reports none."""
+        return empty_report()
 
     def weights_changed(self, names: list[str]) -> dict[str, Any]:
         """Propagate in-place changes of these parameters (FQNs of ``self.model``); returns timings.
@@ -90,3 +102,16 @@ class Backend(abc.ABC):
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
+
+
+def empty_report(torch_segments: int = 0, torch_ops: dict[str, int] | None = None) -> SetReport:
+    """The report of a set without engines."""
+    return SetReport(
+        engines=0,
+        engine_calls=0,
+        torch_segments=torch_segments,
+        torch_ops=torch_ops or {},
+        context_mb=0.0,
+        arena_mb=0.0,
+        engine_mb=0.0,
+    )

@@ -13,7 +13,7 @@ import torch
 from .. import progress
 from ..export import ACTIVATIONS, export_prx, weight_tensors
 from ..lowering import lower
-from .base import Backend, BackendState
+from .base import Backend, BackendState, SetReport, empty_report
 
 
 class TorchBackend(Backend):
@@ -50,12 +50,12 @@ class TorchBackend(Backend):
     def rebind(self) -> bool:
         return getattr(self, "weight_names", None) is not None  # weights: inputs reads them at each call
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> SetReport:
         ops: dict[str, int] = {}
         for node in self.graph_module.graph.nodes:
             if node.op == "call_function" and "prx_compile" in str(node.target):
                 ops[str(node.target)] = ops.get(str(node.target), 0) + 1
-        return {"engines": 0, "torch_segments": 1, "torch_ops": ops}
+        return empty_report(torch_segments=1, torch_ops=ops)
 
     def state(self) -> BackendState:
         return BackendState({"kind": self.kind})

@@ -18,6 +18,7 @@ import torch
 
 from .. import progress
 from ..backends import Backend, make_backend
+from ..backends.base import empty_report
 from ..config import DTYPES, CompileConfig
 from ..errors import ConfigError, LoRAError, ShapeOutOfRangeError
 from ..export import example_inputs
@@ -693,7 +694,7 @@ class CompiledTransformer(torch.nn.Module):
             else {"shapes": b.shapes.describe(), "build_s": None}
             for b in self.backends
         ]
-        first = built[0].report() if built else {"engines": 0, "torch_segments": 0, "torch_ops": {}}
+        first = built[0].report() if built else empty_report()
         cfg = self.compile_config
         return {
             **first,

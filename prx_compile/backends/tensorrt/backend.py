@@ -51,7 +51,7 @@ from ...ops import (
     PRX_ATTENTION_FP8,
     warm_up,
 )
-from ..base import Backend, BackendState
+from ..base import Backend, BackendState, SetReport
 from . import shim
 from .program import Program, from_graph_module
 from .repeats import SharedEngines
@@ -196,19 +196,19 @@ class TensorRTBackend(Backend):
         return out[0] if isinstance(out, (list, tuple)) else out
 
     # -- reports --------------------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
+    def report(self) -> SetReport:
         pending = self._pending  # read once: a load in another thread may finish meanwhile
         sizes = [len(pending.blobs[f"{n}.engine"]) for n in pending.records] if pending else []
         sizes += [len(m.serialized_engine) for m in self.engines.values()]
-        return {
-            "engines": len(sizes),  # distinct engines: a block's engine runs once per block
-            "engine_calls": sum(st.op == "engine" for st in self.program.steps),
-            "context_mb": sum(shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
-            "arena_mb": self.arena.nbytes / 2**20 if self.arena is not None else 0.0,
-            "torch_segments": self.program.segments,
-            "torch_ops": self.program.torch_ops(),
-            "engine_mb": sum(sizes) / 2**20,
-        }
+        return SetReport(
+            engines=len(sizes),
+            engine_calls=sum(st.op == "engine" for st in self.program.steps),
+            torch_segments=self.program.segments,
+            torch_ops=self.program.torch_ops(),
+            context_mb=sum(shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
+            arena_mb=self.arena.nbytes / 2**20 if self.arena is not None else 0.0,
+            engine_mb=sum(sizes) / 2**20,
+        )
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, **shim.versions()}
