@@ -37,9 +37,9 @@ from .errors import excerpt
 class SchemaError(ValueError):
     """``path``: where in the data; the message names the path, what was expected and what was there."""
 
-    def __init__(self, path: str, expected: str, value: Any):
+    def __init__(self, path: str, expected: str, value: Any, message: str | None = None):
         self.path = path
-        super().__init__(f"{path}: expected {expected}, got {excerpt(value, 60)}")
+        super().__init__(message or f"{path}: expected {expected}, got {excerpt(value, 60)}")
 
 
 class Spec:
@@ -151,8 +151,15 @@ class Dict(Spec):
         self.what = f"a mapping with the keys {sorted(fields)}"
 
     def check(self, v, path):
-        if not isinstance(v, dict) or not set(self.fields) - self.optional <= set(v) <= set(self.fields):
+        if not isinstance(v, dict):
             self.fail(path, v)
+        missing = sorted(set(self.fields) - self.optional - set(v))
+        if missing:
+            raise SchemaError(f"{path}.{missing[0]}", "", None, f"{path}.{missing[0]} is missing")
+        extra = sorted(set(v) - set(self.fields), key=str)
+        if extra:
+            key = excerpt(extra[0], 60)
+            raise SchemaError(path, "", v, f"{path} has the key {key}, not one of {sorted(self.fields)}")
         for key, spec in self.fields.items():
             if key in v:
                 spec.check(v[key], f"{path}.{key}")

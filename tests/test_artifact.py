@@ -167,10 +167,12 @@ def symlinked_dir(p: Path):
         (symlinked_dir, r"sets/x.engine is a symbolic link|lists files no load reads \(sets/x.engine\)"),
         (
             lambda p: write_manifest(p, {k: v for k, v in manifest(p).items() if k != "config"}),
-            "config is missing",
+            r"manifest\.config is missing",
         ),
-        (lambda p: write_manifest(p, {**manifest(p), "config": []}), "config must be a dict"),
-        (lambda p: write_manifest(p, {**manifest(p), "sets": {}}), "sets must be a list"),
+        (lambda p: write_manifest(p, {**manifest(p), "config": []}), r"manifest\.config: expected a mapping"),
+        (lambda p: write_manifest(p, {**manifest(p), "sets": {}}), r"manifest\.sets: expected a list"),
+        (lambda p: write_manifest(p, {**manifest(p), "extra": 1}), r"manifest has the key 'extra'"),
+        (lambda p: write_manifest(p, {**manifest(p), "gpu": {"name": "x"}}), r"manifest\.gpu: expected"),
         (lambda p: write_manifest(p, {**manifest(p), "lora": None}), "manifest.lora does not match"),
         (lambda p: write_manifest(p, {**manifest(p), "model": {}}), "manifest.model does not match"),
     ],
@@ -300,7 +302,7 @@ def test_hostile_engine_set_records_are_artifact_errors(artifact):
                     "state": {"meta": {"kind": "torch"}, "blobs": ["../../x"], "tensors": False},
                 }
             ],
-            "blobs must list file names",
+            r"manifest\.sets\[0\]\.state\.blobs\[0\]: expected a file name, got '\.\./\.\./x'",
         ),
     ):
         write_manifest(artifact, {**manifest(artifact), "sets": sets})

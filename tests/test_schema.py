@@ -37,7 +37,7 @@ def test_each_spec_accepts_what_it_describes_and_refuses_the_rest(spec, good, ba
     for v in good:
         assert s.check(spec, v, "x") is v
     for v in bad:
-        with pytest.raises(s.SchemaError, match=r"^x[^:]*: expected "):
+        with pytest.raises(s.SchemaError, match=r"^x[^:]*(: expected | is missing$| has the key )"):
             s.check(spec, v, "x")
 
 
@@ -94,7 +94,8 @@ def test_a_hostile_lora_record_is_a_lora_error_naming_the_field():
 
     model = make_prx()
     for bad, where in [
-        ({"adapters": {}, "active": {}, "x": 1}, "the LoRA record: expected"),
+        ({"adapters": {}, "active": {}, "x": 1}, "the LoRA record has the key 'x'"),
+        ({"adapters": {}}, r"the LoRA record\.active is missing"),
         ({"adapters": {"../a": {"source": "", "layers": {}}}, "active": {}}, "the LoRA record.adapters key"),
         (
             {"adapters": {"a": {"source": "", "layers": {"l": math.inf}}}, "active": {}},
@@ -122,3 +123,13 @@ def test_a_model_config_value_in_a_manifest_is_checked_by_its_type():
 def test_a_string_spec_that_cannot_hold_its_own_choices_is_refused_when_made():
     with pytest.raises(ValueError, match=r"Str\(1\) cannot hold"):
         s.Str(1, choices=("id", "t"))  # the provenance spec of 0.7 refused every "id"
+
+
+def test_a_mapping_names_the_key_that_is_missing_or_not_allowed():
+    spec = s.Dict({"a": s.Int(0, 9), "b": s.Int(0, 9)}, optional=("b",))
+    with pytest.raises(s.SchemaError, match=r"^manifest\.a is missing$"):
+        s.check(spec, {"b": 1}, "manifest")
+    with pytest.raises(s.SchemaError, match=r"^manifest has the key 'zz', not one of \['a', 'b'\]$"):
+        s.check(spec, {"a": 1, "zz": 2}, "manifest")
+    with pytest.raises(s.SchemaError, match=r"^manifest has the key 7, not one of"):
+        s.check(spec, {"a": 1, 7: 2}, "manifest")

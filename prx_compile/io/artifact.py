@@ -573,18 +573,39 @@ def write_state(writer: Writer, prefix: str, state) -> dict[str, Any]:
     return {"meta": state.meta, "blobs": sorted(state.blobs), "tensors": bool(state.tensors)}
 
 
+#: an engine set's record in a manifest (``write_state``); its ``meta`` is the backend's to check
+STATE_RECORD = schema.Dict(
+    {
+        "meta": schema.Map(schema.Str(40), schema.Later("the backend's from_state"), max_len=64),
+        "blobs": schema.List(schema.Str(101, pattern=_BLOB.pattern, what="a file name"), max_len=10_000),
+        "tensors": schema.Bool(),
+    }
+)
+#: what every manifest of this format holds besides its own fields (``parse_manifest`` checks these)
+COMMON = {
+    "format": schema.Str(64),
+    "format_version": schema.Int(0, 10**6),
+    "kind": schema.Str(64),
+    "created": schema.Str(64),
+    "files": schema.Later("parse_manifest"),
+}
+
+
+def check_fields(spec: schema.Spec, manifest: dict[str, Any], where: str) -> None:
+    """ArtifactError naming the field when ``manifest`` does not have the shape ``spec`` describes."""
+    try:
+        schema.check(spec, manifest, where)
+    except schema.SchemaError as e:
+        raise ArtifactError(str(e)) from e
+
+
 def read_state(reader: Reader, prefix: str, record: Any, where: str, device: torch.device | str):
     """The BackendState ``write_state`` recorded (blobs and tensors read from the artifact)."""
     from ..backends import BackendState
 
-    if not isinstance(record, dict) or set(record) != {"meta", "blobs", "tensors"}:
-        raise ArtifactError(f"{where} must have exactly the keys ['blobs', 'meta', 'tensors'].")
-    meta = field(record, "meta", dict, where)
-    blobs = field(record, "blobs", list, where)
-    if not all(isinstance(b, str) and _BLOB.fullmatch(b) for b in blobs) or len(blobs) > 10_000:
-        raise ArtifactError(f"{where}.blobs must list file names.")
-    state = BackendState(meta, {b: reader.read_bytes(f"{prefix}/{b}") for b in blobs})
-    if field(record, "tensors", bool, where):
+    check_fields(STATE_RECORD, record, where)
+    state = BackendState(record["meta"], {b: reader.read_bytes(f"{prefix}/{b}") for b in record["blobs"]})
+    if record["tensors"]:
         state.tensors = reader.read_tensors(f"{prefix}/tensors.safetensors", device)[0]
     return state
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import schema
 from ..backends import Backend, backend_class
 from ..errors import ArtifactError
 from ..shapes import ShapeRange
@@ -173,6 +174,12 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
         return backend, {"key": key, "load_s": None}
 
 
+#: a cache entry's manifest (``store``)
+_MANIFEST = schema.Dict(
+    {**artifact.COMMON, "shapes": schema.Later("ShapeRange.from_dict"), "set": artifact.STATE_RECORD}
+)
+
+
 def store(entry: Path, backend: Backend) -> None:
     """Write ``backend``'s state as the cache entry ``entry`` (atomically)."""
     with artifact.writing(entry, KIND, private=True) as w:  # 0700/0600: only its owner is trusted
@@ -197,6 +204,7 @@ def load_entry(path: Path, like: Backend) -> Backend:
         check_trusted(path.joinpath(*artifact.check_name(rel)))
     reader.verify()
     m = reader.manifest
+    artifact.check_fields(_MANIFEST, m, f"{path}: manifest")
     try:
         shapes = ShapeRange.from_dict(m.get("shapes"))
     except ValueError as e:

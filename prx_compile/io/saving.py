@@ -131,6 +131,7 @@ def load_compiled(
     t0 = time.perf_counter()
     reader = artifact.open_artifact(path, kind=KIND, verify=verify, digest=digest, reads=_files_read)
     m = reader.manifest
+    artifact.check_fields(_MANIFEST, m, "manifest")
     config = _config(m, device, backend)
     rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
     if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -182,6 +183,29 @@ def load_compiled(
     compiled = CompiledTransformer(model, config, backends or None, load_s=time.perf_counter() - t0)
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
     return compiled
+
+
+#: an artifact's manifest: every field's shape, checked whole before the load reads any of it (the
+#: parts marked Later are checked by their own readers, named)
+_MANIFEST = schema.Dict(
+    {
+        **artifact.COMMON,
+        "versions": schema.Map(schema.Str(64), schema.Str(200), max_len=64),
+        "gpu": schema.OneOf(
+            schema.Null(),
+            schema.Dict(
+                {"name": schema.Str(200), "capability": schema.Tuple(schema.Int(0, 99), schema.Int(0, 99))}
+            ),
+        ),
+        "config": schema.Map(schema.Str(64), schema.Later("CompileConfig.from_dict"), max_len=256),
+        "model": schema.Later("the record in weights.safetensors, which it must equal"),
+        "lora": schema.OneOf(schema.Null(), schema.Later("lora.restore_state")),
+        "sets": schema.List(
+            schema.Dict({"shapes": schema.Later("ShapeRange.from_dict"), "state": artifact.STATE_RECORD}),
+            max_len=256,
+        ),
+    }
+)
 
 
 def _config(m: dict[str, Any], device: str | torch.device | None, backend: str | None) -> CompileConfig:
