@@ -10,7 +10,7 @@ bf16, non-degenerate weights), the pipeline's text mask. Parts, in order, each s
             the call to its output, device memory in use after it, then warm ms/step and the error
             against eager; where each set's first call went (``report()["engine_sets"]``).
   ablation  the static 1024² b2 set built one engine at a time, each execution context on its own
-            memory (``build_workers: 1, share_context_memory: false``: 0.7's build), with 4 workers,
+            memory (``build_workers: 1, share_context_memory: false``: 0.7's way), with 4 workers,
             and as the default does (8 workers, one arena): first call, build seconds, ms/step,
             memory added, and the largest difference between the outputs.
   regional  ``for b in model.blocks: b.compile(dynamic=False)`` on a copy: first call per shape, ms/step.
