@@ -80,3 +80,19 @@ def test_the_warm_up_runs_the_attention_op_and_starts_only_for_a_cuda_prx():
     warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"))  # no error
     assert warm_up.in_background(make_prx(TINY_PRX), fp8=False) is None  # a CPU model: nothing to warm
     assert warm_up.in_background(torch.nn.Linear(2, 2), fp8=False) is None  # no PRX config
+
+
+def test_the_warm_up_takes_the_sets_own_step_shape():
+    from prx_compile.ops import warm_up
+    from prx_compile.tools.testing import TINY_PRX, make_prx
+
+    model = make_prx(TINY_PRX)
+    p, c = model.config.patch_size, model.config.in_channels
+    example = {
+        "hidden_states": torch.zeros(3, c, 6 * p, 4 * p),
+        "encoder_hidden_states": torch.zeros(3, 7, model.config.context_in_dim),
+    }
+    assert warm_up.step_shape(model, example) == (3, 24, 7)  # batch, image tokens, text tokens
+    assert warm_up.step_shape(torch.nn.Linear(2, 2), example) is None
+    assert warm_up.step_shape(model, {"hidden_states": example["hidden_states"]}) is None
+    warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"), shape=(3, 24, 7))

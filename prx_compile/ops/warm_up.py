@@ -2,10 +2,12 @@
 
 A process's first step paid 3.9 s on the H200 (``first_call_v08_h200.json``: Triton compiling our
 kernels, cuDNN's and cuBLAS's set-up) after its engines were built; later sets' first steps took
-0.2-0.7 s. ``in_background`` runs the attention op and a GEMM once on tiny inputs in a thread, on a
-stream of its own, while the engines build, so that the first real step finds them ready. It
-computes nothing the step uses, and a failure here only costs that time again at the first step
-(logged, not raised).
+0.2-0.7 s. ``in_background`` runs the attention op and a GEMM once in a thread, on a stream of its
+own, while the engines build, so that the first real step finds them ready. It runs them at the
+set's own shapes: Triton specialises a kernel on its integer arguments (one equal to 1, multiples
+of 16) and cuDNN makes a plan per shape, so warming on tiny inputs (0.8) still left 1.4-1.5 s to
+the first step. It computes nothing the step uses, and a failure here only costs that time again
+at the first step (logged, not raised).
 """
 
 from __future__ import annotations
@@ -22,27 +24,50 @@ from .library import _prx_attention
 logger = logging.getLogger(__name__)
 
 
-def warm_up(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
-    """``prx_attention`` (or its FP8 variant) on (1, 64) image and (1, 16) text tokens with ``heads``
-    heads of ``head_dim``, in ``dtype`` on ``device``, then a (64, H*D) x (H*D, H*D) GEMM."""
+def warm_up(
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: bool = False,
+    shape: tuple[int, int, int] = (1, 64, 16),
+) -> None:
+    """``prx_attention`` (or its FP8 variant) with ``heads`` heads of ``head_dim``, in ``dtype`` on
+    ``device``, for ``shape`` = (batch, image tokens, text tokens); then a (batch * image tokens,
+    H*D) x (H*D, H*D) GEMM."""
     g = torch.Generator(device=device).manual_seed(0)
     width = heads * head_dim
+    b, seq, t = shape
 
     def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=g, device=device, dtype=dt)
 
-    img_qkv, txt_kv = rand(1, 64, 3 * width), rand(1, 16, 2 * width)
-    mask = torch.ones(1, 16, dtype=torch.bool, device=device)
-    rope = rand(1, 1, 64, head_dim // 2, 2, 2, dt=torch.float32)
+    img_qkv, txt_kv = rand(b, seq, 3 * width), rand(b, t, 2 * width)
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    rope = rand(b, 1, seq, head_dim // 2, 2, 2, dt=torch.float32)
     w = torch.ones(head_dim, dtype=dtype, device=device)
     out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8)
     F.linear(out, rand(width, width))
 
 
-def in_background(model: torch.nn.Module, fp8: bool) -> threading.Thread | None:
-    """A started thread that warms up the ops for ``model`` (a PRX transformer on a CUDA device),
-    or None where there is nothing to warm (no CUDA, a config without ``num_heads``). ``join()`` it
-    before the first step; its ``seconds`` attribute then holds how long it took."""
+def step_shape(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
+    """(batch, image tokens, text tokens) of a PRX step on ``example`` (hidden_states (B, C, H, W),
+    encoder_hidden_states (B, T, C)), or None where the config has no ``patch_size``."""
+    patch = getattr(getattr(model, "config", None), "patch_size", None)
+    hs, ehs = example.get("hidden_states"), example.get("encoder_hidden_states")
+    if not isinstance(patch, int) or patch <= 0 or hs is None or ehs is None or hs.dim() != 4:
+        return None
+    b, _, h, w = hs.shape
+    return b, (h // patch) * (w // patch), ehs.shape[1]
+
+
+def in_background(
+    model: torch.nn.Module, fp8: bool, shape: tuple[int, int, int] | None = None
+) -> threading.Thread | None:
+    """A started thread that warms up the ops for ``model`` (a PRX transformer on a CUDA device) at
+    ``shape`` (``step_shape``; None: tiny inputs), or None where there is nothing to warm (no CUDA, a
+    config without ``num_heads``). ``join()`` it before the first step; its ``seconds`` attribute
+    then holds how long it took."""
     config = getattr(model, "config", None)
     heads, width = getattr(config, "num_heads", None), getattr(config, "hidden_size", None)
     param = next(model.parameters(), None)
@@ -58,7 +83,7 @@ def in_background(model: torch.nn.Module, fp8: bool) -> threading.Thread | None:
             with torch.cuda.device(device), torch.no_grad():
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):
-                    warm_up(heads, width // heads, dtype, device, fp8)
+                    warm_up(heads, width // heads, dtype, device, fp8, shape or (1, 64, 16))
                 stream.synchronize()
         except Exception as e:  # the first real step then pays for it, as before
             logger.info("warm-up of the step's ops failed (the first step will set them up): %s", e)

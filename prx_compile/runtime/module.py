@@ -88,6 +88,7 @@ class CompiledTransformer(torch.nn.Module):
                     f"use pixel sizes that are multiples of {patch * config.vae_scale_factor}.",
                 )
         self._fp8 = self._precision(transformer, config)
+        self._fp8_versions: tuple[int, ...] | None = None  # the weights' version counters last seen
         if backends is None:
             backends = [make_backend(transformer, config, s) for s in sets]
         self.backends: list[Backend] = backends
@@ -381,11 +382,12 @@ class CompiledTransformer(torch.nn.Module):
                 )
         if problems:
             raise ShapeOutOfRangeError("; ".join(problems) + ".", "pass the inputs PRXPipeline passes.")
+        dtype = self.dtype
         for k in ("hidden_states", "encoder_hidden_states"):
-            if inputs[k].dtype != self.dtype:
+            if inputs[k].dtype != dtype:
                 raise ConfigError(
-                    f"{k} is {inputs[k].dtype}, the compiled transformer is {self.dtype}.",
-                    f"pass {self.dtype} inputs (pipe(..., torch_dtype) or .to(dtype)).",
+                    f"{k} is {inputs[k].dtype}, the compiled transformer is {dtype}.",
+                    f"pass {dtype} inputs (pipe(..., torch_dtype) or .to(dtype)).",
                 )
         for k, v in inputs.items():
             if v.device.type != self._device.type or (
@@ -459,9 +461,18 @@ class CompiledTransformer(torch.nn.Module):
             backend.timings["graph_capture_s"] = runner.capture_s
         return out
 
+    def _refresh_fp8(self) -> None:
+        """Requantise the FP8 copies of weights edited in place outside ``load_lora`` (load_state_dict,
+        copy_): one pass over the weights' version counters, the modules only when one moved."""
+        versions = tuple(m._parameters["weight"]._version for m in self._fp8)
+        if versions != self._fp8_versions:
+            for module in self._fp8:
+                module.refresh()
+            self._fp8_versions = versions
+
     def _step(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        for module in self._fp8:  # weights edited in place outside load_lora (load_state_dict, copy_)
-            module.refresh()
+        if self._fp8:
+            self._refresh_fp8()
         if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
             return backend(**inputs)
         runner = self._graphs.get(id(backend))
@@ -535,6 +546,7 @@ class CompiledTransformer(torch.nn.Module):
         if self._fp8:  # a swapped block linear becomes FP8 again; a cast one gets its FP8 copies back
             fp8.install(transformer)
             self._fp8 = [m for m in transformer.modules() if isinstance(m, fp8.FP8Linear)]
+            self._fp8_versions = None
             for module in self._fp8:
                 module.requantize()
         new = signature(transformer)

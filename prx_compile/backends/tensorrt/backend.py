@@ -122,7 +122,10 @@ class TensorRTBackend(Backend):
         times = self.timings = {}
         # the ops kept in PyTorch get their kernels compiled while the engines build
         fused = cfg.attention == "fused"
-        warming = warm_up.in_background(self.model, cfg.precision == "fp8") if fused else None
+        warming = None
+        if fused:
+            shape = warm_up.step_shape(self.model, example)
+            warming = warm_up.in_background(self.model, cfg.precision == "fp8", shape)
         with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
             ep, names = export_prx(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
