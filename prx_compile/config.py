@@ -125,9 +125,6 @@ class CompileConfig:
         The engines are the same either way.
     share_context_memory: the execution contexts of one engine set run on one block of device
         memory, the largest context's size, instead of one block each (they never run at once).
-        Off by default: on TensorRT-RTX 1.4 each context made this way (``USER_MANAGED``) holds
-        another 73.5 MB outside PyTorch that is never given back (measured on the H200,
-        ``step_anatomy_h200.json``), more than the arena saves for PRX's sets.
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
     aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
@@ -158,7 +155,7 @@ class CompileConfig:
     static_linears: str = "torch"
     share_engines: bool = True
     build_workers: int = 8
-    share_context_memory: bool = False
+    share_context_memory: bool = True
     batch: list[int] = field(default_factory=lambda: [1, 2])
     resolution: int = 1024
     aspect_bins: list[int] = field(default_factory=lambda: [1024])

@@ -138,10 +138,8 @@ def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
 def test_share_context_memory_gives_a_set_one_arena_or_none(monkeypatch):
     monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     shapes = ShapeRange.static(1, 8, 8, 4)
-    on = TensorRTBackend(
-        torch.nn.Module(), CompileConfig(device="cuda:0", share_context_memory=True), shapes
-    )._new_arena()
-    off = TensorRTBackend(torch.nn.Module(), CompileConfig(), shapes)._new_arena()  # the default
+    on = TensorRTBackend(torch.nn.Module(), CompileConfig(device="cuda:0"), shapes)._new_arena()
+    off = TensorRTBackend(torch.nn.Module(), CompileConfig(share_context_memory=False), shapes)._new_arena()
     assert isinstance(on, shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
 
 

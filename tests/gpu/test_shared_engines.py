@@ -66,7 +66,7 @@ def test_the_artifact_holds_each_engine_once(model, shared, tmp_path):
 
 
 def test_a_range_set_shares_its_block_pieces(model):
-    ct = compile_prx(model, share_context_memory=True, **RANGE)
+    ct = compile_prx(model, **RANGE)
     for kw in (inputs(model, h=48, w=80), inputs(model, batch=1, text=30, masked=5, seed=4)):
         out = ct(**kw, return_dict=False)[0]
         assert rel_err(out, eager(model, kw)) < TOL
@@ -88,7 +88,7 @@ def test_engines_built_side_by_side_and_on_one_arena_match_one_at_a_time_on_thei
     serial = compile_prx(model, build_workers=1, share_context_memory=False, **config)
     want = serial(**kw, return_dict=False)[0].clone()
     for cuda_graphs in (True, False):
-        ct = compile_prx(model, build_workers=4, share_context_memory=True, cuda_graphs=cuda_graphs, **config)
+        ct = compile_prx(model, build_workers=4, cuda_graphs=cuda_graphs, **config)
         for _ in range(2):  # a graph's capture, then its replay
             assert torch.equal(ct(**kw, return_dict=False)[0], want)
         rep, backend = ct.backends[0].report(), ct.backends[0]
@@ -100,11 +100,10 @@ def test_engines_built_side_by_side_and_on_one_arena_match_one_at_a_time_on_thei
     assert rel_err(want, eager(model, kw)) < TOL
 
 
-def test_a_loaded_set_runs_its_contexts_on_one_arena(model, tmp_path):
+def test_a_loaded_set_runs_its_contexts_on_one_arena(model, shared, tmp_path):
     kw = inputs(model, seed=12)
-    on_arena = compile_prx(model, share_context_memory=True, **STATIC)
-    want = on_arena(**kw, return_dict=False)[0].clone()
-    save_compiled(on_arena, tmp_path / "art")
+    want = shared(**kw, return_dict=False)[0].clone()
+    save_compiled(shared, tmp_path / "art")
     loaded = load_compiled(tmp_path / "art")
     assert torch.equal(loaded(**kw, return_dict=False)[0], want)
     rep = loaded.backends[0].report()
