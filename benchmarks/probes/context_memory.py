@@ -64,21 +64,24 @@ def main() -> None:
     shared = probe_cfg.create_runtime_cache()
 
     def config(engine, cache="own", strategy=None, graphs_off=False):
+        """(config, its cache): both kept alive as long as the context (TensorRT holds pointers)."""
         cfg = engine.create_runtime_config()
+        own = None
         if cache == "own":
-            cfg.set_runtime_cache(cfg.create_runtime_cache())
+            own = cfg.create_runtime_cache()
+            cfg.set_runtime_cache(own)
         elif cache == "shared":
             cfg.set_runtime_cache(shared)
         if strategy is not None:
             cfg.set_execution_context_allocation_strategy(strategy)
         if graphs_off:
             cfg.set_cuda_graph_strategy(trt.CudaGraphStrategy.DISABLED)
-        return cfg
+        return cfg, own
 
     def with_config(**kwargs):
         def make(engine):
             cfg = config(engine, **kwargs)
-            return cfg, engine.create_execution_context(cfg)
+            return cfg, engine.create_execution_context(cfg[0])
 
         return make
 
@@ -90,6 +93,7 @@ def main() -> None:
         "no cache": with_config(cache=None),
         "no cuda graphs": with_config(graphs_off=True),
     }
+    res["plain_only"] = "--plain" in sys.argv
     if not hasattr(probe_cfg, "set_cuda_graph_strategy"):
         variants.pop("no cuda graphs")
     held = {}
