@@ -270,3 +270,24 @@ def test_every_backend_reports_the_same_typed_fields():
     report = compiled.backends[0].report()
     assert set(report) == set(SetReport.__annotations__), report
     assert (report["engines"], report["torch_segments"], compiled.report()["engine_calls"]) == (0, 1, 0)
+
+
+def test_once_every_cuda_graph_is_dropped_the_next_capture_gets_a_new_pool():
+    """PyTorch refuses to capture into a pool id whose graphs are all gone (``use_count > 0``), so
+    the module forgets the pool then; while one runner still holds a graph the pool is kept."""
+    from prx_compile.runtime.cudagraphs import CUDAGraphRunner
+
+    ct = compile_prx(make_prx(), backend="eager", static=True, **SMALL_RANGE)
+    a, b = CUDAGraphRunner(lambda: None, pool="p0"), CUDAGraphRunner(lambda: None, pool="p0")
+    a.graphs["k"], b.graphs["k"] = "graph a", "graph b"
+    ct._graphs, ct._pool = {1: a, 2: b}, "p0"
+    ct._drop_graphs([a])
+    assert (a.graphs, b.graphs, ct._pool) == ({}, {"k": "graph b"}, "p0")  # b shares the pool still
+    ct._drop_graphs()
+    assert (b.graphs, ct._pool) == ({}, None)
+    b.graphs["k"], ct._pool = "graph b", "p1"
+    ct._drop_graphs([])
+    assert ct._pool == "p1"  # b's graph is still in it
+    ct._graphs.pop(2)  # a range set dropped with its runner
+    ct._drop_graphs([])  # what is left holds no graph
+    assert ct._pool is None

@@ -475,11 +475,12 @@ class CompiledTransformer(torch.nn.Module):
             self._refresh_fp8()
         if not (self.compile_config.cuda_graphs and self._device.type == "cuda"):
             return backend(**inputs)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         runner = self._graphs.get(id(backend))
         if runner is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             runner = self._graphs[id(backend)] = CUDAGraphRunner(backend, pool=self._pool)
+        runner.pool = self._pool  # a new pool after every graph was dropped (_drop_graphs)
         return runner(**inputs)
 
     def forward(
@@ -565,8 +566,7 @@ class CompiledTransformer(torch.nn.Module):
                 "cast it to torch.bfloat16, torch.float16 or torch.float32 (pipe.to(dtype) does too).",
             )
         old_versions = watch.version_map()
-        for runner in self._graphs.values():  # storage may have moved under captured graphs
-            runner.reset()
+        self._drop_graphs()  # storage may have moved under captured graphs
         built = [b for b in self.backends if b.is_built]
         if diff.swapped and not diff.structure:
             stuck = [b for b in built if not b.rebind()]
@@ -593,6 +593,7 @@ class CompiledTransformer(torch.nn.Module):
             names = {v: k for k, v in DTYPES.items()}
             self.compile_config = cfg = cfg.replace(dtype=names.get(dtype))
         self._graphs.clear()
+        self._drop_graphs()
         fresh = [make_backend(self.transformer, cfg, b.shapes) for b in self.backends]
         pending = self._rebuilding  # sets changed before and not built again yet keep their reason
         self._rebuilding = {
@@ -670,9 +671,20 @@ class CompiledTransformer(torch.nn.Module):
             logger.warning("dropping the built range engine set(s) for %s", shapes.describe())
         for b in dropped:
             self._graphs.pop(id(b), None)
+        self._drop_graphs([])
         self.backends = [b for b in self.backends if b.shapes.is_static()]
         self.backends.append(make_backend(self.transformer, self.compile_config, shapes))
         return shapes
+
+    def _drop_graphs(self, runners: list[CUDAGraphRunner] | None = None) -> None:
+        """Drop the CUDA graphs of ``runners`` (None: every runner's). Once no graph is left, the
+        next capture gets a new memory pool: PyTorch keeps the id of a pool whose graphs are all
+        gone but refuses to capture into it again (an internal assert, ``use_count > 0``), and
+        that set would then run without a graph."""
+        for runner in self._graphs.values() if runners is None else runners:
+            runner.reset()
+        if not any(runner.graphs for runner in self._graphs.values()):
+            self._pool = None
 
     # -- weights --------------------------------------------------------------------------------
     @property
@@ -692,7 +704,7 @@ class CompiledTransformer(torch.nn.Module):
             total["refit_s"] += report.get("refit_s", 0.0)
             total["engines_refit"] += report.get("engines_refit", 0)
             if not report.get("graphs_valid", True) and id(backend) in self._graphs:
-                self._graphs[id(backend)].reset()
+                self._drop_graphs([self._graphs[id(backend)]])
         self._watch.synced(names)
         return total
 
