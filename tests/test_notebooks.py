@@ -23,8 +23,12 @@ def executed():
 
     async def run(path):
         nb = nbformat.read(path, as_version=4)
-        client = NotebookClient(
-            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        client = NotebookClient(  # four kernels start at once on two cores, without .pyc files in CI:
+            nb,  # nbclient's default 60 s for a kernel's first reply is not always enough (seen once)
+            timeout=600,
+            startup_timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
         )
         await client.async_execute()
         return nb
