@@ -1,6 +1,7 @@
 """Where one engine set's first call goes (time and device memory): the probe behind issue 23's plan.
 
     python benchmarks/probes/profile_build.py OUT_DIR [--config NAME] [--shape H W B] [--build-workers N]
+        [--sampler]
 
 Full-size PRX (bf16, non-degenerate), the set that serves ``--shape`` (default 1024 1024 2) under
 ``--config`` (default ``prx-1024-bf16-static``; ``default`` for compile_prx's own: 832 1216 2 is then
@@ -16,12 +17,16 @@ the set's timings and report -> OUT_DIR/profile_build.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
 import json
 import pstats
+import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,6 +46,58 @@ def memory() -> dict[str, float]:
     }
 
 
+def _short(path: str) -> str:
+    return path.rsplit("site-packages/", 1)[-1].rsplit(".prx-site/", 1)[-1]
+
+
+class Sampler:
+    """Every ``interval`` s, the stack of every other thread: how often each function is on a stack
+    (inclusive) and which line runs (own), over all threads' samples."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.samples = interval, 0
+        self.inclusive: Counter = Counter()
+        self.own: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                seen = set()
+                top = frame
+                while frame is not None:
+                    code = frame.f_code
+                    key = f"{_short(code.co_filename)}:{code.co_name}"
+                    if key not in seen:
+                        seen.add(key)
+                        self.inclusive[key] += 1
+                    frame = frame.f_back
+                if top.f_code.co_name != "wait":  # idle pool workers
+                    c = top.f_code
+                    self.own[f"{_short(c.co_filename)}:{top.f_lineno} {c.co_name}"] += 1
+                self.samples += 1
+            del frame, top  # no frame outlives its sample (frames hold their locals)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def text(self, top: int) -> str:
+        lines = [f"{self.samples} thread samples every {self.interval * 1e3:.0f} ms", "", "inclusive:"]
+        lines += [f"{n:7d}  {k}" for k, n in self.inclusive.most_common(top * 3)]
+        lines += ["", "own line:"]
+        lines += [f"{n:7d}  {k}" for k, n in self.own.most_common(top)]
+        return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -48,6 +105,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 2], metavar=("H", "W", "B"))
     ap.add_argument("--build-workers", type=int, default=1)
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--sampler", action="store_true", help="sample every thread instead of cProfile")
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -70,13 +128,16 @@ def main() -> None:
         model(**kw, return_dict=False)
     res["memory"]["eager"] = memory()
     compiled = compile_prx(model, **config)
-    prof = cProfile.Profile()
+    prof = Sampler() if args.sampler else cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()  # the first call: that set's build, its first run and CUDA graph capture
-    with torch.no_grad():
-        compiled(**kw, return_dict=False)
-    torch.cuda.synchronize()
-    prof.disable()
+    with prof if args.sampler else contextlib.nullcontext():
+        if not args.sampler:
+            prof.enable()  # the first call: that set's build, its first run and CUDA graph capture
+        with torch.no_grad():
+            compiled(**kw, return_dict=False)
+        torch.cuda.synchronize()
+        if not args.sampler:
+            prof.disable()
     res["first_call_s"] = time.perf_counter() - t0
     res["memory"]["after_first_call"] = memory()
     torch.cuda.empty_cache()
@@ -85,11 +146,14 @@ def main() -> None:
     res["timings"] = dict(backend.timings)
     res["report"] = backend.report()
 
-    text = io.StringIO()
-    for key in ("cumulative", "tottime"):
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats(key).print_stats(args.top)
-    (out / "profile_build.txt").write_text(text.getvalue())
+    if args.sampler:
+        (out / "profile_build.txt").write_text(prof.text(args.top))
+    else:
+        text = io.StringIO()
+        for key in ("cumulative", "tottime"):
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats(key).print_stats(args.top)
+        (out / "profile_build.txt").write_text(text.getvalue())
     (out / "profile_build.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
 

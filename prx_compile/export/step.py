@@ -6,6 +6,8 @@ The hooks a PRX export needs are active only inside ``export_prx``:
 * diffusers' ``get_image_ids`` fills a zeros tensor by index assignment, which breaks export with
   dynamic height/width; ``shape_generic_position_ids`` swaps in an ``arange``/``expand``/``stack``
   formulation with the same values;
+* with ``trace_blocks_once`` (the default), the model is traced with its first block only and that
+  block's nodes are copied for the others (``prx_compile.export.repeat``): the same graph;
 * with ``fuse_attention``, every PRX attention module runs ``FusedPRXAttnProcessor``
   (``prx_compile.export.fusion``) for the duration of the export.
 
@@ -15,12 +17,15 @@ The shape ranges it exports over are ``prx_compile.shapes.ShapeRange``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..shapes import ShapeRange
+
+logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("hidden_states", "timestep", "encoder_hidden_states", "attention_mask")
 
@@ -120,6 +125,7 @@ def export_prx(
     *,
     weights: str = "engine",
     fuse_attention: bool = False,
+    trace_blocks_once: bool = True,
 ) -> tuple[torch.export.ExportedProgram, list[str] | None]:
     """``torch.export`` one PRX step (non-strict) over ``shapes``.
 
@@ -130,10 +136,36 @@ def export_prx(
         weights: "inputs" (parameters and buffers are the graph's ``weights_*`` inputs) or "engine"
             (they are lifted as the program's parameters).
         fuse_attention: export with ``FusedPRXAttnProcessor`` (one ``prx_attention`` op per block).
+        trace_blocks_once: trace the first block and copy it for the others where
+            ``repeat.why_not`` finds nothing against it (else, or where the copy is refused, every
+            block is traced).
 
     Returns:
         (ExportedProgram, the parameter names in ``weights_*`` order, or None for "engine").
     """
+    from . import repeat
+
+    if trace_blocks_once:
+        reason = repeat.why_not(model, weights)
+        if reason is None:
+            small = repeat.first_block_only(model)
+            ep, small_names = _export(small, example, shapes, weights, fuse_attention)
+            full_names = list(weight_tensors(model))
+            repeated = repeat.repeat_blocks(ep, small_names, full_names, len(model.blocks))
+            if repeated is not None:
+                return repeated, full_names
+        else:
+            logger.debug("export: tracing every block (%s)", reason)
+    return _export(model, example, shapes, weights, fuse_attention)
+
+
+def _export(
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    shapes: ShapeRange | None,
+    weights: str,
+    fuse_attention: bool,
+) -> tuple[torch.export.ExportedProgram, list[str] | None]:
     from .fusion import fused_attention_processors
 
     tensors = weight_tensors(model)
