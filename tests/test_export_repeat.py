@@ -74,9 +74,10 @@ def test_one_block_traced_and_copied_is_the_full_export_node_for_node(three_bloc
     assert names == full_names == list(weight_tensors(model))
     assert _structure(once) == _structure(full)
     assert BOUNDARY not in {n.target for n in once.graph.nodes}
-    assert [s.arg.name for s in once.graph_signature.input_specs] == [
-        n.name for n in once.graph.nodes if n.op == "placeholder"
-    ]
+    expected = ["hidden_states", "timestep", "encoder_hidden_states", "attention_mask"]
+    expected += [f"weights_{j}" for j in range(len(names))]
+    assert [n.name for n in once.graph.nodes if n.op == "placeholder"] == expected
+    assert [s.arg.name for s in once.graph_signature.input_specs] == expected
     tensors = weight_tensors(model)
     weights = [tensors[n] for n in names]
     cases = [kw]
