@@ -64,6 +64,7 @@ class Sampler:
     def _run(self) -> None:
         me = threading.get_ident()
         while not self._stop.wait(self.interval):
+            frame = top = None
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
