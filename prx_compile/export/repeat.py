@@ -11,8 +11,10 @@ further block, each copy reading its own block's weights:
         -> copies 1..D-1 chained after it, block i's weight placeholders for block 0's
         -> markers removed; weight placeholders renumbered in the full model's ``weight_tensors`` order
 
-The result is the graph a full export gives: the same operations in the same order on the same kind
-of inputs (``tests/test_export_repeat.py`` compares the two node by node and their outputs). Where
+The result is the graph a full export gives: the same operations in the same order on the same
+inputs, up to which alias of the text mask each block reads (a full export chains ``mask.to(bool)``
+from block to block; the copies read the input). ``tests/test_export_repeat.py`` compares the two
+node by node and their outputs. Where
 the model is not one this applies to, it says why and returns None, and the caller exports in full:
 weights baked into the graph (``weights="engine"``), fewer than two blocks, blocks whose parameters
 differ in names, shapes or dtypes, a block called with positional hidden states, or a block value
