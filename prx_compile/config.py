@@ -27,7 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ATTENTION = ("fused", "flash", "tensorrt")
 WEIGHTS = ("inputs", "engine")
 PRECISIONS = ("dtype", "fp8")
-ON_SHAPE_MISS = ("build", "error")
+ON_SHAPE_MISS = ("build", "split", "error")
 RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
 #: The most ``specialize`` entries (each is an engine set of its own).
@@ -135,8 +135,10 @@ class CompileConfig:
         A call picks the most specific engine set that fits.
     static: build only the ``specialize`` shapes, no engine set for the whole range.
     opt_batch / opt_text_len: the range's tuning point (default: the maxima).
-    on_shape_miss: "build" (a shape outside every engine set gets engines of its own, with a
-        warning) or "error" (raise, naming the ranges).
+    on_shape_miss: what a shape outside every engine set gets. "build": engines of its own (with
+        a warning); "split": where only its batch is too large, it runs in batch chunks that the
+        sets take (no build, no memory added; a warning once per shape), else as "build"; "error":
+        raise, naming the ranges.
     optimization_level: TensorRT builder level 0..5 (None: Torch-TensorRT's default).
     engine_cache_dir: directory of built engines reused across processes (None: no cache).
     device: where the compiled module runs ("cuda", "cuda:N" or "cpu").

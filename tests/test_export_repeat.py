@@ -155,3 +155,48 @@ def test_the_model_is_not_changed_by_the_one_block_export(three_blocks):
     before = [id(b) for b in model.blocks]
     export_prx(model, prx_inputs(model), weights="inputs")
     assert [id(b) for b in model.blocks] == before and type(model.blocks) is torch.nn.ModuleList
+
+
+@pytest.mark.parametrize("shapes", [None, RANGE], ids=["static", "range"])
+def test_lowered_and_decomposed_before_the_copy_is_what_it_is_after(three_blocks, shapes):
+    """``prepare`` (what the TensorRT backend passes: our rules, then a decomposition table) on the
+    one-block program, then the copy, gives what it gives on the full export: the same operations and
+    outputs, bit for bit, at two shapes. The core ATen table here stands in for Torch-TensorRT's (which
+    needs a GPU); it decomposes more."""
+    from collections import Counter
+
+    from prx_compile.lowering import LoweringSettings, lower
+
+    model = three_blocks
+    kw = prx_inputs(model)
+    seen = []
+
+    def prepare(ep):
+        seen.append(sum(n.target is BOUNDARY for n in ep.graph.nodes))
+        lower(ep.graph_module, LoweringSettings(linears_in_torch=shapes is not None))
+        return ep.run_decompositions(torch.export.default_decompositions())
+
+    once, names = export_prx(model, kw, shapes, weights="inputs", fuse_attention=True, prepare=prepare)
+    full, full_names = export_prx(
+        model, kw, shapes, weights="inputs", fuse_attention=True, trace_blocks_once=False, prepare=prepare
+    )
+    assert seen == [2, 0]  # one marked block, then the full model
+    assert names == full_names
+
+    def ops(ep):
+        return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+
+    assert ops(once) == ops(full)
+    assert ops(once)["prx_compile.prx_attention.default"] == 3
+    assert ("prx_compile.linear.default" in ops(once)) == (shapes is not None)
+    assert "aten.linear.default" not in ops(once)  # decomposed (or rewritten) in every copy
+    tensors = weight_tensors(model)
+    weights = [tensors[n] for n in names]
+    cases = [kw]
+    if shapes is not None:
+        cases.append(prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1))
+    for case in cases:
+        with torch.no_grad():
+            out = once.module()(**case, weights=weights)
+            assert torch.equal(out, full.module()(**case, weights=weights))
+        assert (out - eager(model, case)).abs().max() <= 1e-5

@@ -103,6 +103,50 @@ def test_on_shape_miss_error_names_the_sets():
     assert "multiples of 2 pixels" in str(e.value) and "on_shape_miss" not in str(e.value)
 
 
+def test_a_batch_no_set_takes_whole_runs_in_chunks_the_sets_take(caplog, monkeypatch):
+    """on_shape_miss: split: batch 5 at a covered latent size and text length runs as 2 + 2 + 1
+    through the sets there (no build), matches eager, and warns once for the shape."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", on_shape_miss="split", **SMALL_RANGE)
+    kw = prx_inputs(model, batch=5, h=16, w=16, text=16, masked=3)
+    sets = [b.shapes.describe() for b in ct.backends]
+    seen = []
+    (kind,) = {type(b) for b in ct.backends}
+    call = kind.__call__
+    monkeypatch.setattr(
+        kind, "__call__", lambda be, **k: seen.append(k["hidden_states"].shape[0]) or call(be, **k)
+    )
+    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
+        out = ct(**kw, return_dict=False)[0]  # builds the two static sets (b2, b1) on the way
+        seen.clear()
+        again = ct(**kw, return_dict=False)[0]
+    assert seen == [2, 2, 1]
+    assert [b.is_built for b in ct.backends] == [True, True, False]  # the static sets, not the range
+    assert [b.shapes.describe() for b in ct.backends] == sets  # no set added
+    ref = eager(model, kw)
+    assert (ref - eager(model, {k: v[:1] for k, v in kw.items()}).repeat(5, 1, 1, 1)).abs().max() > 1e-3
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert torch.equal(out, again)
+    warned = [r.message for r in caplog.records if "runs as batches of 2 + 2 + 1" in r.message]
+    assert len(warned) == 1 and "batch 5, latent 16x16, text 16 tokens" in warned[0]
+
+
+@pytest.mark.parametrize("mode", ["build", "split"])
+def test_a_batch_miss_gets_a_set_of_its_own_by_default_or_where_no_split_exists(mode):
+    """build (the default) builds for a batch-only miss; split too where no set takes a chunk (the
+    static preset's one b2 set cannot take the remaining 1 of batch 3)."""
+    model = make_prx()
+    overrides = {"on_shape_miss": mode} if mode == "split" else {}
+    shapes = SMALL_RANGE if mode == "build" else {**SMALL_RANGE, "static": True, "specialize": [[16, 16, 2]]}
+    ct = compile_prx(model, backend="eager", **shapes, **overrides)
+    assert ct.compile_config.on_shape_miss == mode
+    kw = prx_inputs(model, batch=3, h=16, w=16, text=16)
+    if mode == "split":
+        assert ct._chunks(kw) is None  # 2 is taken, the 1 left is not
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    assert ct.backends[-1].shapes.describe() == "batch 3, latent 16x16, text 16 tokens"
+
+
 def test_on_shape_miss_build_adds_an_engine_set(caplog):
     model = make_prx()
     ct = compile_prx(model, backend="eager", **SMALL_RANGE)

@@ -149,8 +149,15 @@ def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
     import sys
     import types
 
-    released = []
-    compiler = types.SimpleNamespace(convert_module=lambda *a, **k: "torch-tensorrt's")
+    released, repaired = [], []
+
+    def repair(parent, submodule, inputs, device, name=None):
+        repaired.append(name)
+        return [*inputs, "cast"]
+
+    compiler = types.SimpleNamespace(
+        convert_module=lambda *a, **k: "torch-tensorrt's", repair_double_inputs=repair
+    )
     conversion = types.SimpleNamespace(release_host_and_device_memory=lambda: released.append(1))
     input_cls = type("Input", (), {"example_tensor": lambda self, field=None: "rand"})
     fake = {
@@ -162,7 +169,25 @@ def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
     for name, module in fake.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
-    originals = (compiler.convert_module, conversion.release_host_and_device_memory, input_cls.example_tensor)
+    originals = (
+        compiler.convert_module,
+        conversion.release_host_and_device_memory,
+        input_cls.example_tensor,
+        compiler.repair_double_inputs,
+    )
+
+    class TrtDtype:
+        def __init__(self, d):
+            self.d = d
+
+        def to(self, kind, use_default=False):
+            return self.d
+
+    def inp(d, shape_tensor=False):
+        return types.SimpleNamespace(dtype=TrtDtype(d), is_shape_tensor=shape_tensor)
+
+    no_double = [inp(torch.bfloat16), inp(torch.int64, shape_tensor=True)]
+    one_double = [inp(torch.bfloat16), inp(torch.float64)]
 
     def wrap(convert):
         return lambda *a, **k: f"ours around {convert()}"
@@ -172,12 +197,29 @@ def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
             assert compiler.convert_module() == "ours around torch-tensorrt's"
             assert input_cls.example_tensor is shim._zeros_example
             conversion.release_host_and_device_memory()
+            # float64 inputs only: the others come back as they are, Torch-TensorRT's repair not run
+            assert compiler.repair_double_inputs(None, None, no_double, "cuda", "a") is no_double
+            assert compiler.repair_double_inputs(None, None, one_double, "cuda", "b") == [*one_double, "cast"]
         assert released == ([] if not release_memory else [1])
         assert (
             compiler.convert_module,
             conversion.release_host_and_device_memory,
             input_cls.example_tensor,
+            compiler.repair_double_inputs,
         ) == originals
+    assert repaired == ["b", "b"]
+
+
+def test_a_program_decomposed_already_is_not_decomposed_again_in_the_block():
+    class Program(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.silu(x) * 2
+
+    ep = torch.export.export(Program(), (torch.randn(3),))
+    with shim.decomposed(ep):
+        assert ep.run_decompositions({}) is ep
+    assert "run_decompositions" not in vars(ep)
+    assert ep.run_decompositions({}) is not ep  # the method again, after the block
 
 
 def test_contexts_that_need_no_memory_get_a_one_byte_block_and_report_none():

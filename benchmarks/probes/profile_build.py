@@ -1,7 +1,7 @@
 """Where one engine set's first call goes (time and device memory): the probe behind issue 23's plan.
 
     python benchmarks/probes/profile_build.py OUT_DIR [--config NAME] [--shape H W B] [--build-workers N]
-        [--sampler]
+        [--sampler | --no-profile] [--set KEY=JSON ...]
 
 Full-size PRX (bf16, non-degenerate), the set that serves ``--shape`` (default 1024 1024 2) under
 ``--config`` (default ``prx-1024-bf16-static``; ``default`` for compile_prx's own: 832 1216 2 is then
@@ -11,7 +11,9 @@ Torch-TensorRT initialisation are once per process), then the full model's first
 build, first run and CUDA graph capture) under cProfile: the top functions by cumulative and by own
 time -> OUT_DIR/profile_build.txt. Device memory (allocated by PyTorch, reserved by its allocator, in
 use by the process) with eager, after the first call and after ``torch.cuda.empty_cache()``, with
-the set's timings and report -> OUT_DIR/profile_build.json.
+the set's timings, report and warm ms/step -> OUT_DIR/profile_build.json. ``--sampler`` samples every
+thread's stack instead (the conversion threads too); ``--no-profile`` only times; ``--set`` passes
+compile_prx overrides (``--set optimization_level=1``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 from prx_compile import compile_prx
-from prx_compile.tools.bench import Case
+from prx_compile.tools.bench import Case, time_cuda
 from prx_compile.tools.testing import FULL_PRX, make_prx
 
 
@@ -107,6 +109,8 @@ def main() -> None:
     ap.add_argument("--build-workers", type=int, default=1)
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--sampler", action="store_true", help="sample every thread instead of cProfile")
+    ap.add_argument("--no-profile", action="store_true", help="timings and memory only")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="compile_prx overrides")
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +118,9 @@ def main() -> None:
     case = Case(tuple(args.shape[:2]), args.shape[2])
     config = {} if args.config == "default" else {"config": args.config}
     config["build_workers"] = args.build_workers
+    for item in args.set:
+        key, _, value = item.partition("=")
+        config[key] = json.loads(value)
 
     small = make_prx({"depth": 4}, dtype=torch.bfloat16, device="cuda")  # once-per-process costs
     t0 = time.perf_counter()
@@ -129,15 +136,15 @@ def main() -> None:
         model(**kw, return_dict=False)
     res["memory"]["eager"] = memory()
     compiled = compile_prx(model, **config)
-    prof = Sampler() if args.sampler else cProfile.Profile()
+    prof = Sampler() if args.sampler else None if args.no_profile else cProfile.Profile()
     t0 = time.perf_counter()
     with prof if args.sampler else contextlib.nullcontext():
-        if not args.sampler:
+        if isinstance(prof, cProfile.Profile):
             prof.enable()  # the first call: that set's build, its first run and CUDA graph capture
         with torch.no_grad():
             compiled(**kw, return_dict=False)
         torch.cuda.synchronize()
-        if not args.sampler:
+        if isinstance(prof, cProfile.Profile):
             prof.disable()
     res["first_call_s"] = time.perf_counter() - t0
     res["memory"]["after_first_call"] = memory()
@@ -147,9 +154,10 @@ def main() -> None:
     res["timings"] = dict(backend.timings)
     res["report"] = backend.report()
 
+    res["ms_per_step"] = time_cuda(lambda: compiled(**kw, return_dict=False), iters=10)
     if args.sampler:
         (out / "profile_build.txt").write_text(prof.text(args.top))
-    else:
+    elif prof is not None:
         text = io.StringIO()
         for key in ("cumulative", "tottime"):
             stats = pstats.Stats(prof, stream=text)

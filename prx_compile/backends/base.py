@@ -42,9 +42,10 @@ class Backend(abc.ABC):
         self.config = config
         self.shapes = shapes
         self.build_s: float | None = None
-        #: where this set's first call went, in seconds: ``export_s``, ``lower_s``, ``compile_s``
-        #: (the backend's compiler), ``first_run_s`` (the first step, JIT kernels included) and, with
-        #: CUDA graphs, ``graph_capture_s``; a loaded set has ``load_s`` instead of the build stages.
+        #: where this set's first call went, in seconds: ``export_s``, ``lower_s``, (TensorRT)
+        #: ``decompose_s`` (Torch-TensorRT's decompositions), ``compile_s`` (the backend's compiler),
+        #: ``first_run_s`` (the first step, JIT kernels included) and, with CUDA graphs,
+        #: ``graph_capture_s``; a loaded set has ``load_s`` instead of the build stages.
         self.timings: dict[str, float] = {}
 
     @property

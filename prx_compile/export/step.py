@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -126,6 +126,7 @@ def export_prx(
     weights: str = "engine",
     fuse_attention: bool = False,
     trace_blocks_once: bool = True,
+    prepare: Callable[[torch.export.ExportedProgram], torch.export.ExportedProgram] | None = None,
 ) -> tuple[torch.export.ExportedProgram, list[str] | None]:
     """``torch.export`` one PRX step (non-strict) over ``shapes``.
 
@@ -139,6 +140,11 @@ def export_prx(
         trace_blocks_once: trace the first block and copy it for the others where
             ``repeat.why_not`` finds nothing against it (else, or where the copy is refused, every
             block is traced).
+        prepare: applied to the exported program before its blocks are copied, so to one block
+            only (or to the full export, where nothing is copied): graph rewrites and
+            decompositions that treat each block alike (``lower``, ``run_decompositions``). It
+            may rewrite the graph in place or return a new program; its weight inputs must keep
+            their ``weights_*`` names.
 
     Returns:
         (ExportedProgram, the parameter names in ``weights_*`` order, or None for "engine").
@@ -150,13 +156,16 @@ def export_prx(
         if reason is None:
             small = repeat.first_block_only(model)
             ep, small_names = _export(small, example, shapes, weights, fuse_attention)
+            if prepare is not None:
+                ep = prepare(ep)
             full_names = list(weight_tensors(model))
             repeated = repeat.repeat_blocks(ep, small_names, full_names, len(model.blocks))
             if repeated is not None:
                 return repeated, full_names
         else:
             logger.debug("export: tracing every block (%s)", reason)
-    return _export(model, example, shapes, weights, fuse_attention)
+    ep, names = _export(model, example, shapes, weights, fuse_attention)
+    return (prepare(ep) if prepare is not None else ep), names
 
 
 def _export(

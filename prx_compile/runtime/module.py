@@ -3,8 +3,10 @@
 It keeps what PRXPipeline and users read (``.config``, ``.dtype``, ``.device``, the forward kwargs
 including ``attention_mask`` and ``return_dict``) and holds one or more engine sets over the same
 weights: one per ``specialize`` shape (static, the fastest) and one for the whole range. A call runs
-the most specific set that fits, building it on first use; a shape outside every set gets a set of
-its own (``on_shape_miss: build``, with a warning) or a ``ShapeOutOfRangeError`` (``error``).
+the most specific set that fits, building it on first use. A shape outside every set gets a set of
+its own (``on_shape_miss: build``, the default, with a warning); with ``split``, a shape whose batch
+alone is too large runs instead in batch chunks that the sets take (a warning once per shape);
+``error`` raises ``ShapeOutOfRangeError``.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class CompiledTransformer(torch.nn.Module):
         self._watch = ModelWatch(transformer)  # what the engine sets were built for (``_follow``)
         self._rebuilding: dict[int, str] = {}  # id(engine set) -> why it is built again
         self._moved_warned = False
+        self._split_warned: set[tuple[int, int, int, int]] = set()  # shapes run in batch chunks
         self.builds = 0
         self.cache_hits: list[dict[str, Any]] = []
         self.load_s = load_s  # seconds load_compiled took to make this module (None: compiled here)
@@ -422,7 +425,7 @@ class CompiledTransformer(torch.nn.Module):
                 raise ShapeOutOfRangeError(
                     f"{shape} is outside every engine set ({'; '.join(problems)}). Built for: {sets}.",
                     "widen batch/aspect_bins/text_len or add the shape to specialize in the config, "
-                    "or set on_shape_miss='build'.",
+                    "or set on_shape_miss='split' or 'build'.",
                 )
             patch = self.config.patch_size
             self.backends.append(
@@ -446,6 +449,63 @@ class CompiledTransformer(torch.nn.Module):
             backend = self._build_backend(i)  # a cache hit replaces the set in self.backends
         backend.load()  # before any CUDA graph capture
         return backend
+
+    def _call(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step: on the engine set that fits, or (``on_shape_miss: split``) for a batch no set
+        takes whole, in chunks along the batch that sets take; else ``_backend_for``'s miss."""
+        if self.compile_config.on_shape_miss == "split" and self.engine_set_for(inputs) is None:
+            sizes = self._chunks(inputs)
+            if sizes is not None:
+                return self._in_chunks(inputs, sizes)
+        return self._run(self._backend_for(inputs), inputs)
+
+    def _chunks(self, inputs: dict[str, torch.Tensor]) -> list[int] | None:
+        """Batch sizes that add up to the call's batch, each taken by an engine set at the call's
+        latent size and text length (the largest such batch first, greedily); None where there is
+        no such split (another latent size or text length: a set of its own is built)."""
+        b, _, h, w = inputs["hidden_states"].shape
+        t = inputs["encoder_hidden_states"].shape[1]
+        sizes, left = [], b
+        while left:
+            takes = (min(be.shapes.batch[1], left) for be in self.backends)
+            n = max(
+                (k for k, be in zip(takes, self.backends, strict=True) if be.shapes.fits(k, h, w, t)),
+                default=0,
+            )
+            if n == 0:
+                return None
+            sizes.append(n)
+            left -= n
+        if (b, h, w, t) in self._split_warned:
+            return sizes
+        self._split_warned.add((b, h, w, t))
+        sets = "; ".join(be.shapes.describe() for be in self.backends)
+        logger.warning(
+            "batch %d, latent %dx%d, text %d tokens is outside every engine set (%s): it runs as "
+            "batches of %s through the sets that take them. Add it to specialize (or widen the batch "
+            "range) for engines of its own, or set on_shape_miss='build'.",
+            b,
+            h,
+            w,
+            t,
+            sets,
+            " + ".join(map(str, sizes)),
+        )
+        return sizes
+
+    def _in_chunks(self, inputs: dict[str, torch.Tensor], sizes: list[int]) -> torch.Tensor:
+        """The step on ``inputs`` (every one batch-first) as one step per chunk of ``sizes``, each
+        chunk's output copied into the result before the next step runs (an engine set may reuse
+        its output memory)."""
+        out, start = None, 0
+        for n in sizes:
+            part = {k: v[start : start + n] for k, v in inputs.items()}
+            y = self._run(self._backend_for(part), part)
+            if out is None:
+                out = y.new_empty((sum(sizes), *y.shape[1:]))
+            out[start : start + n].copy_(y)
+            start += n
+        return out
 
     def _run(self, backend: Backend, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step on ``backend``; its first one in this process is timed into ``backend.timings``
@@ -509,7 +569,7 @@ class CompiledTransformer(torch.nn.Module):
             self._follow()
             inputs = self._normalise(hidden_states, timestep, encoder_hidden_states, attention_mask)
             self._check(inputs)
-            out = self._run(self._backend_for(inputs), inputs)
+            out = self._call(inputs)
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput

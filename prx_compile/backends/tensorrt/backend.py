@@ -1,6 +1,7 @@
 """Torch-TensorRT backend: the exported, lowered step compiled into TensorRT engines.
 
-    export_prx -> lower -> torch_tensorrt.dynamo.compile -> Program (engines + PyTorch ops between them)
+    export_prx (one block traced; lower, then Torch-TensorRT's decompositions, on it; copied for the others)
+        -> torch_tensorrt.dynamo.compile (its own decompositions skipped: done) -> Program
 
 ``torch_tensorrt.dynamo.compile`` is the compiler inside Torch-TensorRT's MutableTorchTensorRTModule;
 compile_prx calls it on its own export, so the model is exported once, and keeps the result as a
@@ -126,13 +127,26 @@ class TensorRTBackend(Backend):
         if fused:
             shape = warm_up.step_shape(self.model, example)
             warming = warm_up.in_background(self.model, cfg.precision == "fp8", shape)
-        with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
-            ep, names = export_prx(
-                self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
-            )
-        with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-            lower(ep.graph_module, cfg.lowering(self.shapes))
         settings = self.settings()
+
+        def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+            """Our rules, then Torch-TensorRT's decompositions: on one block, before it is copied."""
+            with progress.stage("lower (prx_compile rules)", times, "lower_s"):
+                lower(ep.graph_module, cfg.lowering(self.shapes))
+            with progress.stage("decompose (Torch-TensorRT's table)", times, "decompose_s"):
+                return ep.run_decompositions(shim.decompositions(settings))
+
+        t_export = time.perf_counter()
+        with progress.stage(f"export ({self.shapes.describe()}), lowering and decomposition included"):
+            ep, names = export_prx(
+                self.model,
+                example,
+                self.shapes,
+                weights=cfg.weights,
+                fuse_attention=cfg.attention == "fused",
+                prepare=prepare,
+            )
+        times["export_s"] = time.perf_counter() - t_export - times["lower_s"] - times["decompose_s"]
         # weights as inputs: identical partitions (the blocks) are one engine, built once; distinct
         # ones are converted build_workers at a time
         workers = min(cfg.build_workers, os.cpu_count() or 1)
@@ -148,6 +162,7 @@ class TensorRTBackend(Backend):
             shim.lowering_passes(self._engine_passes()),
             shim.building(converter, release_memory=cfg.weights == "engine"),
             sharing if sharing is not None else contextlib.nullcontext(),
+            shim.decomposed(ep),  # by ``prepare``
             torch.no_grad(),
         ):
             kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
@@ -165,6 +180,7 @@ class TensorRTBackend(Backend):
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
             times["engines_wall_s"] = sharing.wall_s
+            times["engines_longest_s"] = max(sharing.seconds.values(), default=0.0)
         for module in self.engines.values():
             if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
                 shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save

@@ -365,6 +365,10 @@ def building(wrap: Any, release_memory: bool = True) -> Iterator[None]:
       14.3 s of a 1.17 B-parameter build on the H200 (``profile_build_h200.txt``). The examples give
       shapes and dtypes; the one place 2.11 runs a partition on them (``repair_double_inputs``, for
       float64 inputs) reads its output's dtype only;
+    * ``repair_double_inputs`` (``truncate_double``) returns at once for a partition with no float64
+      input, as 2.11's does after moving every input's example to the GPU first (with weights as
+      inputs: every weight, for each partition; 2.3 s of the range set's first call in
+      ``profile_build_v10_range_h200.txt``);
     * with ``release_memory=False``, the ``gc.collect()`` + device sync + ``empty_cache`` that 2.11
       runs after each engine's conversion (``release_host_and_device_memory``, to free the host
       copies of weights an engine holds) is skipped: with weights as engine inputs an engine holds
@@ -378,16 +382,63 @@ def building(wrap: Any, release_memory: bool = True) -> Iterator[None]:
     with _CONVERT_LOCK:
         original, example = _compiler.convert_module, Input.example_tensor
         release = getattr(_conversion, "release_host_and_device_memory", None)
+        repair = getattr(_compiler, "repair_double_inputs", None)
         _compiler.convert_module = wrap(original)
         Input.example_tensor = _zeros_example
         if release is not None and not release_memory:
             _conversion.release_host_and_device_memory = _keep_memory
+        if repair is not None:
+            _compiler.repair_double_inputs = _only_doubles(repair)
         try:
             yield
         finally:
             _compiler.convert_module, Input.example_tensor = original, example
             if release is not None:
                 _conversion.release_host_and_device_memory = release
+            if repair is not None:
+                _compiler.repair_double_inputs = repair
+
+
+def _only_doubles(repair: Any) -> Any:
+    """``repair_double_inputs`` run only for a partition with a float64 input (the others it returns
+    unchanged, as 2.11's does, without making their examples on the device first)."""
+
+    def run(parent: Any, submodule: Any, inputs: Any, device: Any, name: str | None = None) -> Any:
+        if not any(is_float64(i) for i in inputs):
+            return inputs
+        return repair(parent, submodule, inputs, device, name)
+
+    return run
+
+
+def is_float64(inp: Any) -> bool:
+    """Whether a ``torch_tensorrt.Input`` is a float64 tensor (a shape tensor is not)."""
+    if getattr(inp, "is_shape_tensor", False):
+        return False
+    return inp.dtype.to(torch.dtype, use_default=True) == torch.float64
+
+
+def decompositions(settings: dict[str, Any]) -> dict[Any, Any]:
+    """The decomposition table ``torch_tensorrt.dynamo.compile`` applies for ``settings``."""
+    torch_tensorrt()
+    from torch_tensorrt.dynamo.lowering import get_decompositions
+
+    params = inspect.signature(get_decompositions).parameters
+    options = {"enable_experimental_decompositions": False, "decompose_attention": False}
+    kwargs = {k: settings.get(k, v) for k, v in options.items() if k in params}
+    return get_decompositions(**kwargs)
+
+
+@contextlib.contextmanager
+def decomposed(ep: Any) -> Iterator[None]:
+    """Within the block, ``ep.run_decompositions(...)`` returns ``ep``: for a program already
+    decomposed with ``decompositions(settings)`` (``dynamo.compile`` would trace it once more, the
+    same way; 7.3 s of the range set's first call in ``profile_build_v10_range_h200.txt``)."""
+    ep.run_decompositions = lambda *args, **kwargs: ep  # shadows the method, on this instance only
+    try:
+        yield
+    finally:
+        del ep.run_decompositions
 
 
 def _keep_memory() -> None:
