@@ -111,28 +111,6 @@ def test_each_copy_reads_its_own_blocks_weights(three_blocks):
     assert (out - ref).abs().max() <= 1e-5
 
 
-def test_the_decomposed_copy_computes_what_the_decomposed_full_export_does(three_blocks):
-    """What a backend does next (``run_decompositions``, a retrace): the same operations (the retrace
-    may order the shape reads differently) and the same output, bit for bit."""
-    from collections import Counter
-
-    model = three_blocks
-    kw = prx_inputs(model)
-    full, names = export_prx(model, kw, RANGE, weights="inputs", fuse_attention=True, trace_blocks_once=False)
-    once, _ = export_prx(model, kw, RANGE, weights="inputs", fuse_attention=True)
-    full, once = full.run_decompositions({}), once.run_decompositions({})
-
-    def ops(ep):
-        return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
-
-    assert ops(once) == ops(full)
-    tensors = weight_tensors(model)
-    weights = [tensors[n] for n in names]
-    case = prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1)
-    with torch.no_grad():
-        assert torch.equal(once.module()(**case, weights=weights), full.module()(**case, weights=weights))
-
-
 def test_where_the_blocks_cannot_be_copied_every_block_is_traced(three_blocks, caplog):
     model = three_blocks
     assert why_not(model, "inputs") is None

@@ -367,8 +367,8 @@ def building(wrap: Any, release_memory: bool = True) -> Iterator[None]:
       float64 inputs) reads its output's dtype only;
     * ``repair_double_inputs`` (``truncate_double``) returns at once for a partition with no float64
       input, as 2.11's does after moving every input's example to the GPU first (with weights as
-      inputs: every weight, for each partition; 2.3 s of the range set's first call in
-      ``profile_build_v10_range_h200.txt``);
+      inputs: every weight, for each partition: ~2 s of the range set's first call, under a
+      sampler, in ``profile_build_v10_range_h200.txt``);
     * with ``release_memory=False``, the ``gc.collect()`` + device sync + ``empty_cache`` that 2.11
       runs after each engine's conversion (``release_host_and_device_memory``, to free the host
       copies of weights an engine holds) is skipped: with weights as engine inputs an engine holds
@@ -433,7 +433,8 @@ def decompositions(settings: dict[str, Any]) -> dict[Any, Any]:
 def decomposed(ep: Any) -> Iterator[None]:
     """Within the block, ``ep.run_decompositions(...)`` returns ``ep``: for a program already
     decomposed with ``decompositions(settings)`` (``dynamo.compile`` would trace it once more, the
-    same way; 7.3 s of the range set's first call in ``profile_build_v10_range_h200.txt``)."""
+    same way: ~7 s of the range set's first call, under a sampler, in
+    ``profile_build_v10_range_h200.txt``)."""
     ep.run_decompositions = lambda *args, **kwargs: ep  # shadows the method, on this instance only
     try:
         yield
