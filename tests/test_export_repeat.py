@@ -46,6 +46,21 @@ def _structure(ep):
     return [_node_key(n, index) for n in nodes]
 
 
+def _same_outputs(once, full, model, names, cases):
+    """``once`` and ``full`` give the same output, bit for bit, on each case, within 1e-5 of eager."""
+    tensors = weight_tensors(model)
+    weights = [tensors[n] for n in names]
+    for case in cases:
+        with torch.no_grad():
+            out = once.module()(**case, weights=weights)
+            assert torch.equal(out, full.module()(**case, weights=weights))
+        assert (out - eager(model, case)).abs().max() <= 1e-5
+
+
+def _other_shape(model):  # a second point of RANGE: batch 3, 24x12 latent, 7 text tokens
+    return prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1)
+
+
 @pytest.fixture(scope="module")
 def three_blocks():
     return make_prx({**_tiny(), "depth": 3})
@@ -78,16 +93,7 @@ def test_one_block_traced_and_copied_is_the_full_export_node_for_node(three_bloc
     expected += [f"weights_{j}" for j in range(len(names))]
     assert [n.name for n in once.graph.nodes if n.op == "placeholder"] == expected
     assert [s.arg.name for s in once.graph_signature.input_specs] == expected
-    tensors = weight_tensors(model)
-    weights = [tensors[n] for n in names]
-    cases = [kw]
-    if shapes is not None:
-        cases.append(prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1))
-    for case in cases:
-        with torch.no_grad():
-            out = once.module()(**case, weights=weights)
-            assert torch.equal(out, full.module()(**case, weights=weights))
-        assert (out - eager(model, case)).abs().max() <= 1e-5
+    _same_outputs(once, full, model, names, [kw] if shapes is None else [kw, _other_shape(model)])
 
 
 def test_each_copy_reads_its_own_blocks_weights(three_blocks):
@@ -168,13 +174,4 @@ def test_lowered_and_decomposed_before_the_copy_is_what_it_is_after(three_blocks
     assert ops(once)["prx_compile.prx_attention.default"] == 3
     assert ("prx_compile.linear.default" in ops(once)) == (shapes is not None)
     assert "aten.linear.default" not in ops(once)  # decomposed (or rewritten) in every copy
-    tensors = weight_tensors(model)
-    weights = [tensors[n] for n in names]
-    cases = [kw]
-    if shapes is not None:
-        cases.append(prx_inputs(model, batch=3, h=24, w=12, text=7, masked=3, seed=1))
-    for case in cases:
-        with torch.no_grad():
-            out = once.module()(**case, weights=weights)
-            assert torch.equal(out, full.module()(**case, weights=weights))
-        assert (out - eager(model, case)).abs().max() <= 1e-5
+    _same_outputs(once, full, model, names, [kw] if shapes is None else [kw, _other_shape(model)])
