@@ -152,6 +152,7 @@ def main() -> None:
                 engine_mb=rep["engine_mb"],
                 build_s=served.build_s,
                 timings=dict(served.timings),
+                engine_build_s=dict(list(getattr(served, "engine_build_s", {}).items())[:4]),
                 engine_set=served.shapes.describe(),
             )
             log(f"compile_prx {c.label()}: {rec['ms_per_step']:.2f} ms, {rep['engines']} engines")

@@ -108,3 +108,18 @@ def test_fold_patchify_stays_in_the_engines():
     kw = inputs(model)
     assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
     assert ct.report()["engines"] == SMALL_PRX["depth"] + 1
+
+
+def test_on_shape_miss_split_runs_a_larger_batch_through_the_sets_it_has(caplog):
+    """on_shape_miss: split on TensorRT: batch 3 at a covered size runs as 2 + 1 through the static
+    and range sets, matches eager, and adds no set."""
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, on_shape_miss="split", **RANGE)
+    kw = inputs(model, batch=3, masked=20, seed=5)
+    sets = [b.shapes.describe() for b in ct.backends]
+    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
+        out = ct(**kw, return_dict=False)[0]
+    assert out.shape[0] == 3 and not out.isnan().any()
+    assert rel_err(out, eager(model, kw)) < TOL
+    assert [b.shapes.describe() for b in ct.backends] == sets
+    assert any("runs as batches of 2 + 1" in r.message for r in caplog.records)

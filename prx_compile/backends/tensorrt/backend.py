@@ -79,6 +79,8 @@ class TensorRTBackend(Backend):
         self._load_lock = threading.Lock()
         #: the execution contexts' device memory, one block for the set (``share_context_memory``)
         self.arena: shim.DeviceArena | None = None
+        #: built partition -> [conversion seconds, ops, the 6 commonest], slowest first (``share_engines``)
+        self.engine_build_s: dict[str, list] = {}
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -181,6 +183,10 @@ class TensorRTBackend(Backend):
             times["engines_build_s"] = sum(sharing.seconds.values())
             times["engines_wall_s"] = sharing.wall_s
             times["engines_longest_s"] = max(sharing.seconds.values(), default=0.0)
+            self.engine_build_s = {  # partition -> [seconds, ops, commonest ops], slowest first
+                n: [round(s, 3), sum(sharing.ops[n].values()), dict(sharing.ops[n].most_common(6))]
+                for n, s in sorted(sharing.seconds.items(), key=lambda kv: -kv[1])
+            }
         for module in self.engines.values():
             if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
                 shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save

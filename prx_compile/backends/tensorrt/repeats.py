@@ -17,6 +17,7 @@ constant too large to hash) makes the key unique, which builds that partition as
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import time
@@ -135,7 +136,8 @@ class SharedEngines:
     a failed compile does not leave conversions running.
 
     After a build: ``built`` (partitions converted, in order), ``shared`` (partition name -> the
-    built partition whose engine it runs), ``seconds`` (conversion time per built partition) and
+    built partition whose engine it runs), ``seconds`` (conversion time per built partition),
+    ``ops`` (its call_function targets, counted: which partition a long conversion was) and
     ``wall_s`` (from the first conversion's start to the last one's end).
     """
 
@@ -150,6 +152,7 @@ class SharedEngines:
         self.built: list[str] = []
         self.shared: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
+        self.ops: dict[str, collections.Counter] = {}
 
     def wrap(self, convert: Callable[..., torch.nn.Module]) -> SharedEngines:
         self._convert = convert
@@ -177,6 +180,9 @@ class SharedEngines:
             self.shared[name] = first
             return engine
         self.built.append(name)
+        self.ops[name] = collections.Counter(
+            str(n.target).removeprefix("aten.") for n in module.graph.nodes if n.op == "call_function"
+        )
         if self.workers == 1:
             engine = self._timed(name, module, inputs, args, kwargs)
         else:
