@@ -1,17 +1,17 @@
 """Issue 23's measurement: cold first calls, device memory and warm ms/step of ``compile_prx(model)``
 against torch.compile regional (each PRXBlock compiled) and whole-model torch.compile, one process.
 
-    python benchmarks/first_call.py OUT_DIR [--parts default miss_split ablation regional whole fp8]
+    python benchmarks/first_call.py OUT_DIR [--parts default miss_build ablation regional whole fp8]
 
 Run it in a new process with no engine cache (the default config has none). Full-size PRX (1.17 B,
 bf16, non-degenerate weights), the pipeline's text mask. Parts, in order, each saved when done:
   default   eager at 1024² b2, 1024² b1, 832x1216 b2 and 1024² b4; then ``compile_prx(model)``: the
-            first call at each (1024² b4 is outside the default's sets: a shape miss, which gets a
-            set of its own), seconds from the call to its output, device memory in use after it,
-            then warm ms/step and the error against eager; where each set's first call went
-            (``report()["engine_sets"]``).
-  miss_split the b4 miss with ``on_shape_miss: split`` on a new compiled module, after its b2 set's
-            first call: two batch-2 steps; first call, ms/step, memory added.
+            first call at each (1024² b4 is outside the default's sets: a shape miss, which runs as
+            two b2 steps, ``on_shape_miss: split``), seconds from the call to its output, device
+            memory in use after it, then warm ms/step and the error against eager; where each
+            set's first call went (``report()["engine_sets"]``).
+  miss_build the b4 miss with ``on_shape_miss: build`` on a new compiled module, after its b2 set's
+            first call: a set of its own; first call, ms/step, memory added.
   ablation  the static 1024² b2 set built one engine at a time, each execution context on its own
             memory (``build_workers: 1, share_context_memory: false``: 0.7's way), with 8 workers on
             their own memory, and as the default does (8 workers, one arena): first call, build
@@ -78,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument(
-        "--parts", nargs="+", default=["default", "miss_split", "ablation", "regional", "whole", "fp8"]
+        "--parts", nargs="+", default=["default", "miss_build", "ablation", "regional", "whole", "fp8"]
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +142,9 @@ def main() -> None:
             with torch.no_grad():
                 rec["ms_per_step"] = time_cuda(lambda kw=kw: compiled(**kw, return_dict=False))["ms"]
             served = compiled.engine_set_for(kw)
+            if served is None:  # a batch no set takes whole: run in chunks (on_shape_miss: split)
+                rec["chunks"] = compiled._chunks(kw)
+                served = compiled.engine_set_for({k: v[: rec["chunks"][0]] for k, v in kw.items()})
             rep = served.report()
             rec.update(
                 engines=rep["engines"],
@@ -159,9 +162,9 @@ def main() -> None:
         res["default_report"] = compiled.report()
         res["mem_gb_after_default"] = mem_gb()
 
-    def miss_split():  # the miss with on_shape_miss: split on a new compiled module: two b2 steps
+    def miss_build():  # the miss with on_shape_miss: build on a new compiled module: a set of its own
         c2, kw = SHAPES[0], kws[MISS.label()]
-        compiled = compile_prx(model, on_shape_miss="split")
+        compiled = compile_prx(model, on_shape_miss="build")
         first_call(lambda **k: compiled(**k, return_dict=False), kws[c2.label()])  # builds the b2 set
         before = mem_gb()
         out, s = first_call(lambda **k: compiled(**k, return_dict=False), kw)
@@ -169,12 +172,11 @@ def main() -> None:
             ms = time_cuda(lambda: compiled(**kw, return_dict=False))["ms"]
         res["records"].append(
             record(
-                "compile_prx[on_shape_miss=split]",
+                "compile_prx[on_shape_miss=build]",
                 MISS,
                 config="default",
                 weights="inputs",
-                on_shape_miss="split",
-                chunks=compiled._chunks(kw),
+                on_shape_miss="build",
                 first_call_s=s,
                 ms_per_step=ms,
                 mem_gb=mem_gb(),
@@ -182,7 +184,7 @@ def main() -> None:
                 rel_err=rel_err(out, refs[MISS.label()]),
             )
         )
-        log(f"miss with on_shape_miss=split {MISS.label()}: first {s:.2f} s, {ms:.2f} ms")
+        log(f"miss with on_shape_miss=build {MISS.label()}: first {s:.2f} s, {ms:.2f} ms")
 
     def static_set(label: str, **overrides) -> torch.Tensor:
         c = SHAPES[0]
@@ -301,7 +303,7 @@ def main() -> None:
         log(f"fp8 {c.label()}: first {s:.1f} s, {ms:.2f} ms, {rep['engines']} engines")
 
     run_part("default", default)
-    run_part("miss_split", miss_split)
+    run_part("miss_build", miss_build)
     run_part("ablation", ablation)
     run_part("regional", regional)
     run_part("whole", whole)

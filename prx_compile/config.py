@@ -135,10 +135,10 @@ class CompileConfig:
         A call picks the most specific engine set that fits.
     static: build only the ``specialize`` shapes, no engine set for the whole range.
     opt_batch / opt_text_len: the range's tuning point (default: the maxima).
-    on_shape_miss: what a shape outside every engine set gets. "build": engines of its own (with
-        a warning); "split": where only its batch is too large, it runs in batch chunks that the
-        sets take (no build, no memory added; a warning once per shape), else as "build"; "error":
-        raise, naming the ranges.
+    on_shape_miss: what a shape outside every engine set gets. "split" (the default): where only
+        its batch is too large, it runs in batch chunks that the sets take (no build, no memory
+        added; a warning once per shape), else as "build"; "build": engines of its own (with a
+        warning); "error": raise, naming the ranges.
     optimization_level: TensorRT builder level 0..5 (None: Torch-TensorRT's default).
     engine_cache_dir: directory of built engines reused across processes (None: no cache).
     device: where the compiled module runs ("cuda", "cuda:N" or "cpu").
@@ -167,7 +167,7 @@ class CompileConfig:
     static: bool = False
     opt_batch: int | None = None
     opt_text_len: int | None = None
-    on_shape_miss: str = "build"
+    on_shape_miss: str = "split"
     optimization_level: int | None = None
     engine_cache_dir: str | None = None
     device: str = "cuda"

@@ -99,7 +99,7 @@ def test_on_shape_miss_error_names_the_sets():
         ct(**prx_inputs(model, h=18, w=16), return_dict=False)
     with pytest.raises(ShapeOutOfRangeError, match="not a multiple of the patch size") as e:
         compile_prx(model, backend="eager", **SMALL_RANGE)(**prx_inputs(model, h=17, w=16), return_dict=False)
-    # on_shape_miss is 'build' there already: the hint is the size that works, not that setting
+    # no on_shape_miss setting builds for that size: the hint is the size that works, not that setting
     assert "multiples of 2 pixels" in str(e.value) and "on_shape_miss" not in str(e.value)
 
 
@@ -132,11 +132,11 @@ def test_a_batch_no_set_takes_whole_runs_in_chunks_the_sets_take(caplog, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["build", "split"])
-def test_a_batch_miss_gets_a_set_of_its_own_by_default_or_where_no_split_exists(mode):
-    """build (the default) builds for a batch-only miss; split too where no set takes a chunk (the
+def test_a_batch_miss_gets_a_set_of_its_own_with_build_or_where_no_split_exists(mode):
+    """build builds for a batch-only miss; split (the default) too where no set takes a chunk (the
     static preset's one b2 set cannot take the remaining 1 of batch 3)."""
     model = make_prx()
-    overrides = {"on_shape_miss": mode} if mode == "split" else {}
+    overrides = {"on_shape_miss": mode} if mode == "build" else {}
     shapes = SMALL_RANGE if mode == "build" else {**SMALL_RANGE, "static": True, "specialize": [[16, 16, 2]]}
     ct = compile_prx(model, backend="eager", **shapes, **overrides)
     assert ct.compile_config.on_shape_miss == mode
@@ -149,7 +149,7 @@ def test_a_batch_miss_gets_a_set_of_its_own_by_default_or_where_no_split_exists(
 
 def test_on_shape_miss_build_adds_an_engine_set(caplog):
     model = make_prx()
-    ct = compile_prx(model, backend="eager", **SMALL_RANGE)
+    ct = compile_prx(model, backend="eager", on_shape_miss="build", **SMALL_RANGE)
     kw = prx_inputs(model, batch=3, h=20, w=12)
     with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
         out = ct(**kw, return_dict=False)[0]

@@ -2,7 +2,12 @@
 MUFU pipe (16 exp2 per clock per SM on Hopper) to the FMA pipe by a polynomial (``poly`` quarters of
 the columns, ``ops.fp8_attention_kernels._exp2``).
 
+    git checkout 5336789 -- prx_compile/ops   # the kernels with ``poly``, removed after this probe
     python benchmarks/probes/attention_exp2.py OUT.json
+
+Result (``attention_exp2_h200.json``): every ``poly`` > 0 ran slower (1024² b2, back-to-back: 0.602 ms
+with MUFU only, 0.73 / 0.83 / 1.17 ms with a half / all / a quarter on the FMA pipe), so the kernels
+keep ``tl.exp2`` and the parameter was taken out again.
 
 At PRX's joint-attention shapes (inputs of ``fp8_attention.py``'s probe: 28 heads of 64, 256 text keys
 under the pipeline's mask, RMS-normalised queries and keys), for each tile choice and ``poly`` in 0, 1,

@@ -15,6 +15,12 @@ sets, in that order), then warm ms/step at each and the error against eager. Var
   shared+none  both
 Per set: first-call seconds, ``timings`` and the four slowest engine conversions (context creation
 included: ``engine_build_s``). -> OUT.json
+
+Result (``runtime_cache_h200.json``): no variant moved a first call beyond the run-to-run noise
+(832x1216 b2: 13.98 s as shipped, 13.93 shared, 15.71 none, 12.07 both; the static sets 5.0-6.7 s
+in every variant), so neither knob was kept. A partition's conversion takes 2.3-5.7 s whatever its
+size (2 ops or 168): it is the contention of 8 conversions at once (one at a time, a static set's
+nine took 5.05 s in all, ``first_call_v11_b_h200.json``).
 """
 
 from __future__ import annotations
@@ -39,23 +45,35 @@ def child(variant: str) -> dict:
 
     shared: list = []
     lock = threading.Lock()
-    original = shim.use_runtime_cache
     info: dict = {}
 
-    def patched(module, blob, arena=None, **kw):
+    def patched(module, blob, arena=None):  # shim.use_runtime_cache with the variant's knobs
         if not shim.has_runtime_cache(module):
             return
+        cfg = module.engine.create_runtime_config()
         if "shared" in variant:
             with lock:
                 if not shared:
-                    shared.append(module.engine.create_runtime_config().create_runtime_cache())
-            kw["cache"] = shared[0]
+                    shared.append(cfg.create_runtime_cache())
+            cache = shared[0]
+        else:
+            cache = cfg.create_runtime_cache()
+        if blob:
+            cache.deserialize(blob)
+        cfg.set_runtime_cache(cache)
         if "none" in variant:
-            kw["specialization"] = "NONE"
-            if "setter" not in info:
-                cfg = module.engine.create_runtime_config()
-                info["setter"] = [a for a in dir(cfg) if "special" in a.lower()]
-        original(module, blob, arena, **kw)
+            info.setdefault("setter", [a for a in dir(cfg) if "special" in a.lower()])
+            none = shim.trt().DynamicShapesKernelSpecializationStrategy.NONE
+            cfg.dynamic_shapes_kernel_specialization_strategy = none
+        if arena is not None:
+            strategy = shim.trt().ExecutionContextAllocationStrategy.USER_MANAGED
+            cfg.set_execution_context_allocation_strategy(strategy)
+        module._prx_runtime = (cfg, cache)
+        module.context = module.engine.create_execution_context(cfg)
+        if arena is not None and module.context is not None:
+            arena.attach(module)
+        if hasattr(module, "runtime_states"):
+            module.runtime_states.context_changed = True
 
     shim.use_runtime_cache = patched
     model = make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")

@@ -24,7 +24,6 @@ import torch
 FP8_MAX = 448.0
 BLOCK_M = 128  # queries per program and per Q scale
 BLOCK_N = 128  # keys per step and per K / V scale
-POLY = 0  # quarters of the exp2 on the FMA pipe (``_exp2`` in the kernels)
 
 
 def _kernels():
@@ -62,7 +61,6 @@ def joint_attention_fp8(
     block_n: int = BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 3,
-    poly: int | None = None,
 ) -> torch.Tensor:
     """Attention of q over [k_a under mask_a; k_b] with Q, K, V, P in e4m3 (the Triton kernels).
 
@@ -70,14 +68,11 @@ def joint_attention_fp8(
         q: (B, Lq, H, D) fp16/bf16. k_a, v_a: (B, La, H, D), the masked (text) keys; mask_a (B, La)
         bool, True = attend. k_b, v_b: (B, Lb, H, D), always attended. scale: softmax scale.
         block_m, block_n: queries and keys per block (and per scale); num_warps, num_stages: Triton's.
-        poly: quarters of the softmax's exp2 computed by a polynomial on the FMA pipe (0, 1, 2 or 4;
-        the rest on the MUFU pipe); None: ``POLY``.
 
     Returns:
         (B, Lq, H, D) contiguous in q's dtype; a row with no kept key is 0.
     """
     quant_kv, attention, triton = _kernels()
-    poly = POLY if poly is None else poly
     b, lq, h, d = q.shape
     la, lb = k_a.shape[1], k_b.shape[1]
     la_pad = triton.cdiv(la, block_n) * block_n
@@ -97,7 +92,7 @@ def joint_attention_fp8(
     out = torch.empty((b, lq, h, d), device=dev, dtype=q.dtype)
     attention[(triton.cdiv(lq, block_m), b * h)](
         q.contiguous(), k8, vt8, sk, sv, mask, out, lq, la, la_pad, lb, lk_pad, nkb, h, float(scale),
-        D=d, BM=block_m, BN=block_n, POLY=poly, num_warps=num_warps, num_stages=num_stages,
+        D=d, BM=block_m, BN=block_n, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

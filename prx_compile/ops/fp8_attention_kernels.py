@@ -37,43 +37,9 @@ def _quant_kv(
 
 
 @triton.jit
-def _exp2_poly(x):
-    # 2^x on the FMA pipe (no MUFU): x = j + f, j = round(x) by the 1.5 * 2^23 trick (t's low mantissa
-    # bits hold j), 2^f on [-0.5, 0.5] by a degree-2 minimax polynomial (relative error 1.7e-3, far
-    # below e4m3's 6%), then j added to the exponent bits. x < -126 gives 2^-126 (e4m3 0), not 0.
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = (0.23842255542489377 * f + 0.7034365302736288) * f + 1.0004427013236556
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, BM: tl.constexpr, BN: tl.constexpr, POLY: tl.constexpr):
-    # (BM, BN) 2^x with POLY quarters of the columns on the FMA pipe, the rest on MUFU: the two
-    # pipes share the softmax's work (MUFU does 16 exp2 per clock per SM)
-    if POLY == 0:
-        p = tl.exp2(x)
-    elif POLY == 4:
-        p = _exp2_poly(x)
-    else:
-        a, b = tl.split(tl.reshape(x, (BM, BN // 2, 2)))
-        if POLY == 2:
-            pa = tl.exp2(a)
-            pb = _exp2_poly(b)
-        else:  # POLY == 1: a quarter
-            a1, a2 = tl.split(tl.reshape(a, (BM, BN // 4, 2)))
-            pa = tl.reshape(tl.join(tl.exp2(a1), _exp2_poly(a2)), (BM, BN // 2))
-            pb = tl.exp2(b)
-        p = tl.reshape(tl.join(pa, pb), (BM, BN))
-    return p
-
-
-@triton.jit
 def _step(
     q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, j, Lk_pad, nkb, valid,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, POLY: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     # one key block of the online softmax; P scaled by 2^8 (exp2(... + 8)): out of e4m3's
     # subnormals, and the row sum carries the same factor
@@ -86,7 +52,7 @@ def _step(
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
-    p = _exp2(s - m_use[:, None] + 8.0, BM, BN, POLY)
+    p = tl.exp2(s - m_use[:, None] + 8.0)
     row_sum = row_sum * alpha + tl.sum(p, 1)
     vt = tl.load(vt8 + (bh * D + e)[:, None] * Lk_pad + pos[None, :])  # (D, BN)
     pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
@@ -97,7 +63,7 @@ def _step(
 @triton.jit
 def _attention(
     q, k8, vt8, sk, sv, mask, o, Lq, La, La_pad, Lb, Lk_pad, nkb, H, qk_scale,
-    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, POLY: tl.constexpr,
+    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -119,17 +85,17 @@ def _attention(
         keep = (tl.load(mask + b * La + pos, mask=pos < La, other=0) != 0) & (pos < La)
         if tl.max(keep.to(tl.int32), 0) > 0:
             acc, m, row_sum = _step(
-                q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, j, Lk_pad, nkb, keep, D, BM, BN, True, POLY
+                q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, j, Lk_pad, nkb, keep, D, BN, True
             )
     full = (La_pad + (Lb // BN) * BN) // BN
     for j in range(La_pad // BN, full):  # whole image blocks: no mask
         acc, m, row_sum = _step(
-            q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, j, Lk_pad, nkb, n < BN, D, BM, BN, False, POLY
+            q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, j, Lk_pad, nkb, n < BN, D, BN, False
         )
     if full < nkb:  # the last, partial image block
         valid = full * BN + n < La_pad + Lb
         acc, m, row_sum = _step(
-            q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, full, Lk_pad, nkb, valid, D, BM, BN, True, POLY
+            q8, c, acc, m, row_sum, k8, vt8, sk, sv, bh, full, Lk_pad, nkb, valid, D, BN, True
         )
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(o + rows, out.to(o.dtype.element_ty), mask=(r < Lq)[:, None])

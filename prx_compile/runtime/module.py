@@ -3,10 +3,10 @@
 It keeps what PRXPipeline and users read (``.config``, ``.dtype``, ``.device``, the forward kwargs
 including ``attention_mask`` and ``return_dict``) and holds one or more engine sets over the same
 weights: one per ``specialize`` shape (static, the fastest) and one for the whole range. A call runs
-the most specific set that fits, building it on first use. A shape outside every set gets a set of
-its own (``on_shape_miss: build``, the default, with a warning); with ``split``, a shape whose batch
-alone is too large runs instead in batch chunks that the sets take (a warning once per shape);
-``error`` raises ``ShapeOutOfRangeError``.
+the most specific set that fits, building it on first use. A shape whose batch alone is too large
+runs in batch chunks that the sets take (``on_shape_miss: split``, the default; a warning once per
+shape); any other shape outside every set gets a set of its own (``build`` does that for every
+miss, with a warning); ``error`` raises ``ShapeOutOfRangeError``.
 """
 
 from __future__ import annotations

@@ -180,34 +180,18 @@ def has_runtime_cache(module: torch.nn.Module) -> bool:
     return hasattr(module.engine, "create_runtime_config")
 
 
-def use_runtime_cache(
-    module: torch.nn.Module,
-    blob: bytes | None,
-    arena: DeviceArena | None = None,
-    cache: Any = None,
-    specialization: str | None = None,
-) -> None:
+def use_runtime_cache(module: torch.nn.Module, blob: bytes | None, arena: DeviceArena | None = None) -> None:
     """Give the engine module an execution context whose TensorRT-RTX runtime cache starts from
     ``blob`` (None: empty), so kernels JIT-compiled in an earlier process are reused, and that runs
-    on ``arena``'s memory (None: its own). ``cache``: an existing runtime cache to use instead of a
-    new one (shared between engines); ``specialization``: TensorRT-RTX's dynamic-shape kernel
-    specialization strategy (``"LAZY"``, its default, ``"EAGER"`` or ``"NONE"``). No-op on full
-    TensorRT. The config and cache are kept on the module as long as the context lives."""
+    on ``arena``'s memory (None: its own). No-op on full TensorRT. The config and cache are kept on
+    the module as long as the context lives."""
     if not has_runtime_cache(module):
         return
     cfg = module.engine.create_runtime_config()
-    if cache is None:
-        cache = cfg.create_runtime_cache()
+    cache = cfg.create_runtime_cache()
     if blob:
         cache.deserialize(blob)
     cfg.set_runtime_cache(cache)
-    if specialization is not None:
-        strategy = getattr(trt().DynamicShapesKernelSpecializationStrategy, specialization)
-        setter = getattr(cfg, "set_dynamic_shapes_kernel_specialization_strategy", None)
-        if setter is not None:
-            setter(strategy)
-        else:
-            cfg.dynamic_shapes_kernel_specialization_strategy = strategy
     if arena is not None:
         cfg.set_execution_context_allocation_strategy(trt().ExecutionContextAllocationStrategy.USER_MANAGED)
     module._prx_runtime = (cfg, cache)
