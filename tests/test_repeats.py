@@ -138,6 +138,11 @@ def test_shared_engines_converts_each_distinct_piece_once():
     assert sharing.shared == {name: runs[1][0] for name, _ in runs[2:DEPTH]}
     assert all(got[name] is got[runs[1][0]] for name, _ in runs[2:DEPTH])
     assert got[runs[0][0]] is not got[runs[1][0]]
+    for name, sub in (runs[0], runs[1]):  # which ops each built piece holds (engine_build_s)
+        targets = [n.target for n in sub.graph.nodes if n.op == "call_function"]
+        assert sum(sharing.ops[name].values()) == len(targets) > 0
+        assert sharing.ops[name][str(targets[0]).removeprefix("aten.")] == targets.count(targets[0])
+    assert set(sharing.ops) == set(calls)
     with pytest.raises(RuntimeError, match="wrap"):
         SharedEngines()(runs[0][1], [], name="x")
 
