@@ -5,18 +5,21 @@ against torch.compile regional (each PRXBlock compiled) and whole-model torch.co
 
 Run it in a new process with no engine cache (the default config has none). Full-size PRX (1.17 B,
 bf16, non-degenerate weights), the pipeline's text mask. Parts, in order, each saved when done:
-  default   eager at 1024² b2, 1024² b1, 832x1216 b2 and 1024² b4; then ``compile_prx(model)``: the
-            first call at each (1024² b4 is outside the default's sets: a shape miss, which runs as
-            two b2 steps, ``on_shape_miss: split``), seconds from the call to its output, device
-            memory in use after it, then warm ms/step and the error against eager; where each
-            set's first call went (``report()["engine_sets"]``).
+  default   eager at 1024² b2, 1024² b1, 832x1216 b2, 1024² b4, 1216x832 b2 and 896x1152 b2; then
+            ``compile_prx(model)``: the first call at each, in that order (832x1216 and 1216x832 get
+            static sets of their own, ``auto_specialize: 2``; 1024² b4 is outside the default's sets,
+            a shape miss, which runs as two b2 steps, ``on_shape_miss: split``; 896x1152 builds the
+            range set), seconds from the call to its output, device memory in use after it, then
+            warm ms/step and the error against eager; where each set's first call went
+            (``report()["engine_sets"]``).
   miss_build the b4 miss with ``on_shape_miss: build`` on a new compiled module, after its b2 set's
             first call: a set of its own; first call, ms/step, memory added.
   ablation  the static 1024² b2 set built one engine at a time, each execution context on its own
             memory (``build_workers: 1, share_context_memory: false``: 0.7's way), with 8 workers on
             their own memory, and as the default does (8 workers, one arena): first call, build
             seconds, ms/step, memory added, and the largest difference between the outputs.
-  regional  ``for b in model.blocks: b.compile(dynamic=False)`` on a copy: first call per shape, ms/step.
+  regional  ``for b in model.blocks: b.compile(dynamic=False)`` on a copy: first call per shape (the
+            default part's shapes but 1024² b4), ms/step.
   whole     ``torch.compile(model)`` at 1024² b2: first call, ms/step.
   fp8       the ``prx-1024-fp8`` preset (static 1024² b2) on a copy: first call, ms/step, engines.
 -> OUT_DIR/first_call.json: records in the benchmark layout plus ``first_call_s`` and ``mem_gb``
@@ -41,6 +44,8 @@ from prx_compile.tools.testing import FULL_PRX, make_prx
 
 SHAPES = [Case((1024, 1024), 2), Case((1024, 1024), 1), Case((832, 1216), 2)]
 MISS = Case((1024, 1024), 4)
+#: two more new shapes inside the range: the second static set ``auto_specialize`` makes, then the range set
+MORE = [Case((1216, 832), 2), Case((896, 1152), 2)]
 T0 = time.time()
 
 
@@ -89,7 +94,7 @@ def main() -> None:
         out_json.write_text(json.dumps(res, indent=1, default=str))
 
     model = make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
-    cases = [*SHAPES, MISS]
+    cases = [*SHAPES, MISS, *MORE]
     kws = {c.label(): c.inputs(model.config, torch.bfloat16, "cuda") for c in cases}
     refs = {}
     for c in cases:
@@ -240,7 +245,7 @@ def main() -> None:
         m = copy.deepcopy(model)
         for b in m.blocks:
             b.compile(dynamic=False)
-        for c in SHAPES:
+        for c in [*SHAPES, *MORE]:
             kw = kws[c.label()]
             out, s = first_call(lambda **k: m(**k, return_dict=False), kw)
             with torch.no_grad():

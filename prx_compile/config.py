@@ -134,6 +134,11 @@ class CompileConfig:
         (text length: the maximum). None: ``resolution``² at the largest and smallest batch.
         A call picks the most specific engine set that fits.
     static: build only the ``specialize`` shapes, no engine set for the whole range.
+    auto_specialize: while the range set is not built, the first this many shapes that a call
+        brings inside the range and that ``specialize`` does not name get static sets of their own,
+        built at that call (a static set is built in about half the range set's time and runs
+        faster); the next new shape builds the range set, which then serves every shape no static
+        set takes. 0: the range set is built at the first such shape.
     opt_batch / opt_text_len: the range's tuning point (default: the maxima).
     on_shape_miss: what a shape outside every engine set gets. "split" (the default): where only
         its batch is too large, it runs in batch chunks that the sets take (no build, no memory
@@ -165,6 +170,7 @@ class CompileConfig:
     vae_scale_factor: int = 8
     specialize: list[list[int]] | None = None
     static: bool = False
+    auto_specialize: int = 2
     opt_batch: int | None = None
     opt_text_len: int | None = None
     on_shape_miss: str = "split"
@@ -200,6 +206,12 @@ class CompileConfig:
             raise ConfigError(
                 f"build_workers={excerpt(self.build_workers)} must be an integer from 1 to 64.",
                 "e.g. build_workers: 8 (1 builds one engine at a time)",
+            )
+        if not _is_int(self.auto_specialize) or not 0 <= self.auto_specialize <= MAX_SPECIALIZE:
+            raise ConfigError(
+                f"auto_specialize={excerpt(self.auto_specialize)} must be an integer from 0 to "
+                f"{MAX_SPECIALIZE}.",
+                "e.g. auto_specialize: 2 (0: the range set at the first shape specialize does not name)",
             )
         for key, top in (("batch", 256), ("text_len", 4096)):  # what an artifact may declare (export)
             v = getattr(self, key)

@@ -18,6 +18,8 @@ from .conftest import eager, prx_inputs
 
 SMALL_RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
 PIPE_RANGE = {**SMALL_RANGE, "resolution": 32}
+#: planned sets at latent 16x16 (batch 2 and 1), the range latent 10..22 x 10..22
+WIDE_RANGE = {**SMALL_RANGE, "resolution": 256, "aspect_bins": [256], "vae_scale_factor": 16}
 PIPE_ARGS = dict(
     prompt="a red car on the moon at night",
     negative_prompt="",
@@ -71,7 +73,8 @@ def test_kwargs_return_dict_and_no_mask():
 
 def test_the_most_specific_engine_set_runs_and_is_built_at_first_use():
     model = make_prx()
-    ct = compile_prx(model, backend="eager", **SMALL_RANGE)  # 16² at batch 2 and 1 (16 tokens), the range
+    # 16² at batch 2 and 1 (16 tokens), the range (built at the first shape it alone takes)
+    ct = compile_prx(model, backend="eager", auto_specialize=0, **SMALL_RANGE)
     assert [b.shapes.is_static() for b in ct.backends] == [True, True, False]
     assert not any(b.is_built for b in ct.backends)
     kw = prx_inputs(model, h=16, w=16, text=16)
@@ -86,6 +89,52 @@ def test_the_most_specific_engine_set_runs_and_is_built_at_first_use():
     assert [b.is_built for b in ct.backends] == [True, False, True] and ct.builds == 2
     ct.build()  # the rest, ahead
     assert ct.is_built and ct.builds == 3
+
+
+def test_new_shapes_in_the_range_get_static_sets_until_auto_specialize_then_the_range_set(caplog):
+    """auto_specialize: 2 (the default): the first two shapes inside the range that specialize does
+    not name get static sets of their own; the third builds the range set, which then serves every
+    new shape; a batch chunk of a new shape counts as that shape; each output matches eager."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **WIDE_RANGE)
+    assert ct.compile_config.auto_specialize == 2
+    planned = [b.shapes.describe() for b in ct.backends]
+
+    def run(**shape):
+        kw = prx_inputs(model, **shape, masked=2)
+        torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+
+    with caplog.at_level("INFO", logger="prx_compile.runtime.module"):
+        run(batch=2, h=20, w=12, text=16)
+        run(batch=4, h=20, w=12, text=16)  # split 2 + 2 onto the set just made: no new set
+        run(batch=1, h=12, w=20, text=9)
+    made = ["batch 2, latent 20x12, text 16 tokens", "batch 1, latent 12x20, text 9 tokens"]
+    assert [b.shapes.describe() for b in ct.backends] == planned + made
+    assert [b.is_built for b in ct.backends] == [False, False, False, True, True] and ct.builds == 2
+    assert sum("auto_specialize: 1 of 2" in r.message for r in caplog.records) == 1
+    assert sum("auto_specialize: 2 of 2" in r.message for r in caplog.records) == 1
+    run(batch=2, h=16, w=20, text=16)  # the third new shape: the range set
+    run(batch=1, h=14, w=14, text=5)  # and it serves the next
+    assert [b.shapes.describe() for b in ct.backends] == planned + made
+    assert [b.is_built for b in ct.backends] == [False, False, True, True, True] and ct.builds == 3
+    run(batch=2, h=16, w=16, text=16)  # a specialize shape still gets its planned set
+    assert ct.backends[0].is_built and len(ct.backends) == 5 and ct.builds == 4
+
+
+def test_auto_specialize_is_checked_and_needs_a_range_to_act():
+    with pytest.raises(ConfigError, match=r"auto_specialize=-1 must be an integer from 0 to 256"):
+        compile_prx(make_prx(), backend="eager", auto_specialize=-1, **WIDE_RANGE)
+    with pytest.raises(ConfigError, match=r"auto_specialize=True must be an integer"):
+        compile_prx(make_prx(), backend="eager", auto_specialize=True, **WIDE_RANGE)
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", auto_specialize=0, **WIDE_RANGE)
+    kw = prx_inputs(model, batch=2, h=20, w=12, text=16)
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
+    assert len(ct.backends) == 3 and ct.backends[2].is_built  # the range set, at once
+    ct = compile_prx(model, backend="eager", **WIDE_RANGE)
+    ct.build()  # every planned set, the range set too: new shapes then run on it
+    ct(**kw, return_dict=False)
+    assert len(ct.backends) == 3 and ct.builds == 3
 
 
 def test_on_shape_miss_error_names_the_sets():

@@ -291,6 +291,9 @@ def test_set_expected_dynamic_shape_range_and_mttm_settings():
     )
     assert shapes.batch == (1, 4) and shapes.height == (8, 16) and shapes.text == (16, 16)
     close(*step(ct, model, batch=3, h=8, w=12))
+    # the declared range is what that call builds (auto_specialize makes static sets for the
+    # config's own range only)
+    assert ct.backends[-1].shapes == shapes and ct.backends[-1].is_built
     with pytest.raises(ConfigError, match="multiples of the patch size"):
         ct.set_expected_dynamic_shape_range(({2: Dim("h", min=7, max=16)},))
     for key, covered_by in [

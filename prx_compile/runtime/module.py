@@ -400,7 +400,9 @@ class CompiledTransformer(torch.nn.Module):
 
     def engine_set_for(self, inputs: dict[str, torch.Tensor]) -> Backend | None:
         """The engine set a call with ``inputs`` runs: the most specific one that fits (built or not),
-        or None when none fits (a call would then build one, or raise). Nothing is built here."""
+        or None when none fits (a call would then build one, or raise). Nothing is built here. Where
+        that is a range set not built yet, the call may build a static set instead
+        (``auto_specialize``)."""
         b, _, h, w = inputs["hidden_states"].shape
         t = inputs["encoder_hidden_states"].shape[1]
         fits = [be for be in self.backends if be.shapes.fits(b, h, w, t)]
@@ -409,6 +411,8 @@ class CompiledTransformer(torch.nn.Module):
     def _backend_for(self, inputs: dict[str, torch.Tensor]) -> Backend:
         """The most specific engine set that fits (built on first use), or a new one on a miss."""
         backend = self.engine_set_for(inputs)
+        if backend is not None and not backend.is_built and not backend.shapes.is_static():
+            backend = self._set_of_its_own(inputs) or backend
         if backend is None:
             b, _, h, w = inputs["hidden_states"].shape
             t = inputs["encoder_hidden_states"].shape[1]
@@ -427,16 +431,8 @@ class CompiledTransformer(torch.nn.Module):
                     "widen batch/aspect_bins/text_len or add the shape to specialize in the config, "
                     "or set on_shape_miss='split' or 'build'.",
                 )
-            patch = self.config.patch_size
-            self.backends.append(
-                make_backend(self.transformer, self.compile_config, ShapeRange.static(b, h, w, t, patch))
-            )
             t0 = time.perf_counter()
-            try:
-                backend = self._build_backend(len(self.backends) - 1)
-            except BaseException:
-                self.backends.pop()  # no half-made set stays behind
-                raise
+            backend = self._add_set(ShapeRange.static(b, h, w, t, self.config.patch_size))
             logger.warning(
                 "built engines for %s in %.1f s: it was outside every engine set (%s). Add it to "
                 "specialize (or widen the range) to build it ahead.",
@@ -448,6 +444,46 @@ class CompiledTransformer(torch.nn.Module):
             i = next(i for i, be in enumerate(self.backends) if be is backend)
             backend = self._build_backend(i)  # a cache hit replaces the set in self.backends
         backend.load()  # before any CUDA graph capture
+        return backend
+
+    def _add_set(self, shapes: ShapeRange) -> Backend:
+        """A new engine set for ``shapes``, built now; a failed build leaves no set behind."""
+        self.backends.append(make_backend(self.transformer, self.compile_config, shapes))
+        try:
+            return self._build_backend(len(self.backends) - 1)
+        except BaseException:
+            self.backends.pop()
+            raise
+
+    def _set_of_its_own(self, inputs: dict[str, torch.Tensor]) -> Backend | None:
+        """``auto_specialize``: a static engine set for this call's shape, built now, where the call
+        would build the config's range set and fewer than ``auto_specialize`` such sets exist (the
+        static sets inside a range that ``specialize`` does not name); None: the range set is built
+        (also for a range ``set_expected_dynamic_shape_range`` declared: that asks for the range)."""
+        cfg = self.compile_config
+        b, _, h, w = inputs["hidden_states"].shape
+        t = inputs["encoder_hidden_states"].shape[1]
+        ranges = [be.shapes for be in self.backends if not be.shapes.is_static()]
+        if cfg.static or cfg.range_shapes(self.config.patch_size) not in ranges:
+            return None
+        planned = set(cfg.specialized_shapes(self.config.patch_size))
+        made = [
+            be.shapes
+            for be in self.backends
+            if be.shapes.is_static()
+            and be.shapes not in planned
+            and any(r.fits(*be.shapes.opt_point()) for r in ranges)
+        ]
+        if len(made) >= cfg.auto_specialize:
+            return None
+        backend = self._add_set(ShapeRange.static(b, h, w, t, self.config.patch_size))
+        logger.info(
+            "built a static engine set for %s (auto_specialize: %d of %d); the range set is built at "
+            "the next new shape after these",
+            backend.shapes.describe(),
+            len(made) + 1,
+            cfg.auto_specialize,
+        )
         return backend
 
     def _call(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -123,3 +123,16 @@ def test_on_shape_miss_split_runs_a_larger_batch_through_the_sets_it_has(caplog)
     assert rel_err(out, eager(model, kw)) < TOL
     assert [b.shapes.describe() for b in ct.backends] == sets
     assert any("runs as batches of 2 + 1" in r.message for r in caplog.records)
+
+
+def test_a_new_shape_in_the_range_gets_a_static_set_of_its_own():
+    """auto_specialize (the default, 2) on TensorRT: text length 30, which only the range takes, gets
+    a static set built for it (not the range set), and its output matches eager."""
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, **{**RANGE, "auto_specialize": 2})
+    kw = inputs(model, text=30, masked=5, seed=6)
+    out = ct(**kw, return_dict=False)[0]
+    assert rel_err(out, eager(model, kw)) < TOL and not out.isnan().any()
+    made = ct.backends[-1]
+    assert made.is_built and made.shapes.is_static() and made.shapes.text == (30, 30)
+    assert not any(b.is_built for b in ct.backends if not b.shapes.is_static())
