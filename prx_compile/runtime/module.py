@@ -478,10 +478,11 @@ class CompiledTransformer(torch.nn.Module):
             return None
         backend = self._add_set(ShapeRange.static(b, h, w, t, self.config.patch_size))
         logger.info(
-            "built a static engine set for %s (auto_specialize: %d of %d); the range set is built at "
-            "the next new shape after these",
+            "built a static engine set for %s (auto_specialize: %d of %d; once there are %d, a new "
+            "shape builds the range set)",
             backend.shapes.describe(),
             len(made) + 1,
+            cfg.auto_specialize,
             cfg.auto_specialize,
         )
         return backend
