@@ -7,14 +7,15 @@ Full-size PRX (1.17 B, bf16, non-degenerate weights), the pipeline's text mask, 
 its first call at each shape is recorded (``build_s``, then ``extra.first_call_s``), then warm
 ms/step and the error against bf16 eager. Parts (each path appended in this order):
   bf16   eager; torch.compile regional (each ``PRXBlock`` ``.compile(dynamic=False)``, diffusers'
-         regional compilation); compile_prx default; the same with ``static_linears: tensorrt``
+         regional compilation); compile_prx default (``attention_kernel: auto``: one cuDNN call per
+         attention where cuDNN's frontend is installed); the same with ``attention_kernel: split``
   fp8    torch.compile regional + torchao float8 (``Float8DynamicActivationFloat8WeightConfig(PerRow())``
          on the block linears that ``precision: fp8`` quantises, then the blocks compiled); the
-         ``prx-1024-fp8`` preset; the same with ``fp8_attention: false``
+         ``prx-1024-fp8`` preset; the same with ``fp8_attention: false`` (bf16 attention, by
+         ``attention_kernel: auto``)
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
-         compile_prx default, ``static_linears: tensorrt``, the fp8 preset and ``fp8_attention: false``
-         -> OUT.json's ``profiles``
+         the compile_prx variants of the parts asked for -> OUT.json's ``profiles``
 Needs torchao importable for ``fp8``. -> OUT.json in the benchmark layout (``bench.run_bench``).
 """
 
@@ -65,7 +66,7 @@ def paths(parts: list[str]) -> dict:
     if "bf16" in parts:
         out["torch.compile regional"] = regional
         out["compile_prx"] = compile_path()
-        out["compile_prx[static_linears: tensorrt]"] = compile_path(static_linears="tensorrt")
+        out["compile_prx[attention_kernel: split]"] = compile_path(attention_kernel="split")
     if "fp8" in parts:
         out["torch.compile regional+torchao"] = regional_torchao
         out["compile_prx[prx-1024-fp8]"] = compile_path("prx-1024-fp8")
@@ -90,29 +91,32 @@ def main() -> None:
     res["parts"] = args.parts
     print(table(res), flush=True)
     if "profile" in args.parts:
-        res["profiles"] = profiles(model)
+        res["profiles"] = profiles(model, args.parts)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
 
 
-def profiles(model) -> dict:
-    """Kernels of one 1024² b2 step by category, for each compile_prx variant (CUDA graphs off)."""
+def profiles(model, parts: list[str]) -> dict:
+    """Kernels of one 1024² b2 step by category, for the compile_prx variants of ``parts`` (CUDA
+    graphs off)."""
     from run_device import kernel_profile  # benchmarks/, beside this script
 
     from prx_compile import compile_prx
 
     kw = SHAPES[0].inputs(model.config, torch.bfloat16, "cuda")
     out = {}
-    variants = {
-        "compile_prx": dict(config="prx-1024-bf16-static"),
-        "compile_prx[static_linears: tensorrt]": dict(
-            config="prx-1024-bf16-static", static_linears="tensorrt"
-        ),
-        "compile_prx[prx-1024-fp8]": dict(config="prx-1024-fp8", static=True, specialize=[[1024, 1024, 2]]),
-        "compile_prx[prx-1024-fp8, fp8_attention: false]": dict(
-            config="prx-1024-fp8", static=True, specialize=[[1024, 1024, 2]], fp8_attention=False
-        ),
-    }
+    static = dict(static=True, specialize=[[1024, 1024, 2]])
+    variants = {}
+    if "bf16" in parts:
+        variants["compile_prx"] = dict(config="prx-1024-bf16-static")
+        variants["compile_prx[attention_kernel: split]"] = dict(
+            config="prx-1024-bf16-static", attention_kernel="split"
+        )
+    if "fp8" in parts:
+        variants["compile_prx[prx-1024-fp8]"] = dict(config="prx-1024-fp8", **static)
+        variants["compile_prx[prx-1024-fp8, fp8_attention: false]"] = dict(
+            config="prx-1024-fp8", fp8_attention=False, **static
+        )
     for label, kwargs in variants.items():
         m = copy.deepcopy(model) if "fp8" in label else model
         try:

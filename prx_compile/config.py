@@ -28,6 +28,7 @@ ATTENTION = ("fused", "flash", "tensorrt")
 WEIGHTS = ("inputs", "engine")
 PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "split", "error")
+ATTENTION_KERNELS = ("auto", "cudnn", "split")
 RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
 #: The most ``specialize`` entries (each is an engine set of its own).
@@ -60,6 +61,7 @@ ENGINE_KEYS = (
     "select_as_slice",
     "fp8_mlp",
     "fp8_attention",
+    "attention_kernel",
     "share_engines",
     "weights",
     "optimization_level",
@@ -109,6 +111,12 @@ class CompileConfig:
         tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one scale per
         128 tokens and head, computed on the device); false keeps it in bf16 (cuDNN). On the H200
         the full fp8 step ran 2-7 % faster with it, at the same error (README, Performance).
+    attention_kernel: with ``attention: fused``, how the bf16 joint attention runs: "cudnn", one
+        cuDNN call under a key-padding mask through cuDNN's frontend (``prx_attention_cudnn``; the
+        ``cudnn`` extra, ``pip install 'prx_compile[cudnn]'``); "split", a dense cuDNN call over the
+        image keys, a masked one over the text keys and an exact merge (PyTorch's SDPA kernels, no
+        extra); "auto", "cudnn" where the frontend is installed, else "split". Both are exact. FP8
+        attention (``precision: fp8``, ``fp8_attention``) takes precedence.
     range_linears: where the engine sets for a range of shapes run their linears: "torch" (cuBLAS,
         between engines; TensorRT-RTX runs dynamic-shape GEMMs with slower Ampere kernels on
         Hopper) or "tensorrt". Only with ``weights: inputs``; with ``weights: engine`` the engines
@@ -158,6 +166,7 @@ class CompileConfig:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_attention: bool = True
+    attention_kernel: str = "auto"
     range_linears: str = "torch"
     static_linears: str = "torch"
     share_engines: bool = True
@@ -197,6 +206,7 @@ class CompileConfig:
             )
         choice("on_shape_miss", ON_SHAPE_MISS)
         choice("range_linears", RANGE_LINEARS)
+        choice("attention_kernel", ATTENTION_KERNELS)
         choice("static_linears", RANGE_LINEARS)
         bools = ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "fp8_attention", "share_engines")
         for key in (*bools, "share_context_memory"):
@@ -387,8 +397,25 @@ class CompileConfig:
             select_as_slice=self.select_as_slice,
             fp8_mlp=self.fp8_mlp,
             fp8_attention=self.precision == "fp8" and self.fp8_attention,
+            cudnn_attention=self.attention == "fused" and self.cudnn_attention(),
             linears_in_torch=self.linears_in_torch(shapes),
         )
+
+    def cudnn_attention(self) -> bool:
+        """Whether ``attention_kernel`` asks for the one-call cuDNN attention: "cudnn", or "auto"
+        with cuDNN's frontend installed. "cudnn" without it is a ``ConfigError``."""
+        from .ops import cudnn_attention
+
+        if self.attention_kernel == "split":
+            return False
+        if cudnn_attention.installed():
+            return True
+        if self.attention_kernel == "cudnn":
+            raise ConfigError(
+                "attention_kernel=cudnn needs cuDNN's frontend (the nvidia-cudnn-frontend package).",
+                "pip install 'prx_compile[cudnn]', or use attention_kernel: split.",
+            )
+        return False
 
     def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
         """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``

@@ -83,6 +83,8 @@ def test_engine_sets_specialised_first_then_the_range():
         ({"build_workers": 0}, r"build_workers=0 must be an integer from 1 to 64"),
         ({"build_workers": True}, r"build_workers=True must be an integer"),
         ({"share_context_memory": "yes"}, r"share_context_memory='yes' must be true or false"),
+        ({"attention_kernel": "flash3"}, r"attention_kernel='flash3'.*auto.*cudnn.*split"),
+        ({"attention_kernel": True}, r"attention_kernel=True is not allowed"),
     ],
 )
 def test_bad_values_name_key_and_allowed(bad, match):

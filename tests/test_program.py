@@ -14,7 +14,7 @@ from torch.fx.passes.split_module import split_module
 from prx_compile.backends.tensorrt.program import OPS, Program, ProgramError, from_graph_module
 from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
-from prx_compile.ops import PRX_ATTENTION
+from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN
 from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
@@ -23,16 +23,17 @@ from .conftest import eager, prx_inputs
 RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
 
 
-def partitioned(weights):
-    """(model, split GraphModule, the 'engine' children, weight names): attention ops between pieces."""
+def partitioned(weights, settings=None, op=PRX_ATTENTION):
+    """(model, split GraphModule, the 'engine' children, weight names): attention ops (``op``) between
+    pieces."""
     model = make_prx()
     ep, names = export_prx(model, prx_inputs(model), RANGE, weights=weights, fuse_attention=True)
-    lower(ep.graph_module, LoweringSettings())
+    lower(ep.graph_module, settings or LoweringSettings())
     gm = ep.module()
     part = {"i": 0}
 
     def split(node):
-        if node.op == "call_function" and node.target == PRX_ATTENTION:
+        if node.op == "call_function" and node.target == op:
             part["i"] += 2
             return part["i"] - 1
         return part["i"]
@@ -41,7 +42,7 @@ def partitioned(weights):
     engines = {
         n: m
         for n, m in sp.named_children()
-        if isinstance(m, torch.fx.GraphModule) and not any(x.target == PRX_ATTENTION for x in m.graph.nodes)
+        if isinstance(m, torch.fx.GraphModule) and not any(x.target == op for x in m.graph.nodes)
     }
     return model, sp, engines, names
 
@@ -86,6 +87,26 @@ def test_json_roundtrip_runs_the_same(program):
     )
     kw = prx_inputs(model)
     assert torch.equal(run(again, model, engines, consts, kw), run(prog, model, engines, consts, kw))
+
+
+def test_a_program_with_the_one_call_cudnn_attention_round_trips():
+    """``attention_kernel: cudnn`` puts ``prx_attention_cudnn`` between the engines: a Program and
+    its JSON take it, and on a CPU it runs ``prx_attention``'s path (the same numbers as eager)."""
+    model, sp, engines, names = partitioned(
+        "inputs", LoweringSettings(cudnn_attention=True), PRX_ATTENTION_CUDNN
+    )
+    prog, consts = from_graph_module(
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
+    )
+    assert prog.torch_ops() == {"prx_compile.prx_attention_cudnn.default": model.config.depth}
+    again = Program.from_json(
+        json.loads(json.dumps(prog.to_json())),
+        engines=set(engines),
+        params={n for n, _ in model.named_parameters()},
+        constants=set(consts),
+    )
+    kw = prx_inputs(model, batch=2, masked=3)
+    assert (run(again, model, engines, consts, kw) - eager(model, kw)).abs().max() <= 1e-5
 
 
 def mutations(data):

@@ -7,8 +7,9 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, linear): ``lower(gm, settings)``, on the
-  exported graph, before any backend sees it (``linear`` only for TensorRT engine sets over a range);
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, cudnn_attention, linear):
+  ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
+  TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
   decompositions (which would undo them), registered only while ``backends.tensorrt`` builds.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import attention, fold, fp8_attention, fp8_mlp, linear, select, shape_ints, unfold
+from . import attention, cudnn_attention, fold, fp8_attention, fp8_mlp, linear, select, shape_ints, unfold
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LoweringSettings:
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
+    cudnn_attention: run each ``prx_attention`` left as ``prx_attention_cudnn`` (one cuDNN call).
     linears_in_torch: rewrite every ``aten.linear`` into ``prx_compile::linear`` (run by PyTorch).
     """
 
@@ -50,6 +52,7 @@ class LoweringSettings:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_attention: bool = False
+    cudnn_attention: bool = False
     linears_in_torch: bool = False
 
     def __post_init__(self):
@@ -86,6 +89,7 @@ register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
 register_rule("fp8_attention")(fp8_attention.rule)
+register_rule("cudnn_attention")(cudnn_attention.rule)
 register_rule("linear")(linear.rule)
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.

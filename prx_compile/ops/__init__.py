@@ -2,6 +2,7 @@
 
 * ``library``: the ``torch.ops.prx_compile.*`` operators, registered when this package is imported;
 * ``kernels``: their Triton kernels with PyTorch twins (merge, QK norm + RoPE, FP8 quantisation);
+* ``cudnn_attention``: the joint attention as one cuDNN call (cuDNN's frontend, the ``cudnn`` extra);
 * ``fp8_attention`` and ``fp8_attention_kernels``: FP8 joint attention (``precision: fp8``).
 """
 
@@ -12,6 +13,7 @@ from .library import (
     JOINT_ATTENTION,
     LINEAR,
     PRX_ATTENTION,
+    PRX_ATTENTION_CUDNN,
     PRX_ATTENTION_FP8,
     flash_attention,
     fp8_gated_mlp,
@@ -19,6 +21,7 @@ from .library import (
     joint_attention,
     linear,
     prx_attention,
+    prx_attention_cudnn,
     prx_attention_fp8,
     qk_norm_rope_torch,
 )
@@ -30,6 +33,7 @@ __all__ = [
     "JOINT_ATTENTION",
     "LINEAR",
     "PRX_ATTENTION",
+    "PRX_ATTENTION_CUDNN",
     "PRX_ATTENTION_FP8",
     "flash_attention",
     "fp8_gated_mlp",
@@ -37,6 +41,7 @@ __all__ = [
     "joint_attention",
     "linear",
     "prx_attention",
+    "prx_attention_cudnn",
     "prx_attention_fp8",
     "qk_norm_rope_torch",
 ]

@@ -165,11 +165,16 @@ def _norm_rope_kernel():
 
     @triton.jit
     def _kernel(
-        x, sxb, sxl, sxh, w, f, sfb, sfl, out, v, svb, svl, svh, vout, n_rows, L, H, eps,
+        x, sxb, sxl, sxh, w, f, sfb, sfl, out, sob, oof, v, svb, svl, svh, vout, n_rows, L, H, eps,
+        m, smb, T, seq, sqs, lq,
         D: tl.constexpr, BR: tl.constexpr, HAS_ROPE: tl.constexpr, COPY_V: tl.constexpr,
+        PACK: tl.constexpr, BT: tl.constexpr,
     ):  # fmt: skip
         # A program = BR rows (b, l, h) of D contiguous elements, each row and its rotations read
         # once, contiguously; RoPE pairs (2i, 2i + 1) are split apart and joined back in registers.
+        # Row (b, l, h) goes to out[b * sob + (oof + l') * H * D + h * D]: l' = l, or with PACK the
+        # rank of l among the kept tokens of row b of the mask m (kept tokens first, in order; the
+        # others after them, zeroed), and seq[0, b] = lq, seq[1, b] = oof + kept for cuDNN.
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = (r < n_rows)[:, None]
         h = r % H
@@ -192,11 +197,26 @@ def _norm_rope_kernel():
             f00, f10 = tl.split(f_k0)
             f01, f11 = tl.split(f_k1)
             y = tl.reshape(tl.join(f00 * ye + f01 * yo, f10 * ye + f11 * yo), (BR, D))
-        dst = (r * D)[:, None] + e[None, :]
+        dest = tok
+        if PACK:
+            j = tl.arange(0, BT)
+            row = tl.load(m + b[:, None] * smb + j[None, :], mask=rm & (j < T)[None, :], other=0).to(tl.int32)
+            row = (row != 0).to(tl.int32)
+            kept = tl.sum(row, axis=1)
+            before = tl.sum(tl.where(j[None, :] < tok[:, None], row, 0), axis=1)
+            keep = tl.load(m + b * smb + tok, mask=r < n_rows, other=0) != 0
+            dest = tl.where(keep, before, kept + tok - before)
+            y = tl.where(keep[:, None], y, 0.0)
+            first = (r < n_rows) & (tok == 0) & (h == 0)
+            tl.store(seq + b, lq + 0 * b, mask=first)
+            tl.store(seq + sqs + b, oof + kept, mask=first)
+        dst = (b * sob + (oof + dest) * (H * D) + h * D)[:, None] + e[None, :]
         tl.store(out + dst, y.to(out.dtype.element_ty), mask=rm)
         if COPY_V:
             val = tl.load(v + (b * svb + tok * svl + h * svh)[:, None] + e[None, :], mask=rm, other=0.0)
-            tl.store(vout + dst, val, mask=rm)
+            if PACK:
+                val = tl.where(keep[:, None], val, 0.0)
+            tl.store(vout + dst, val.to(vout.dtype.element_ty), mask=rm)
 
     _NORM_ROPE_KERNEL = (_kernel, triton)
     return _NORM_ROPE_KERNEL
@@ -235,16 +255,68 @@ def qk_norm_rope(
         (normalised x (B, L, H, D) contiguous, contiguous copy of v or None). Arithmetic as
         diffusers' RMSNorm and ``apply_rope``: fp32 inside, rounded to x's dtype where they round.
     """
-    kernel, triton = _norm_rope_kernel()
     b, seq, h, d = x.shape
     out = torch.empty((b, seq, h, d), device=x.device, dtype=x.dtype)
-    vout = torch.empty_like(out) if v is not None else out
+    vout = torch.empty_like(out) if v is not None else None
+    _norm_rope_launch(x, weight, eps, rope, v, out, vout, 0)
+    return out, vout
+
+
+def qk_norm_rope_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    rope: torch.Tensor | None,
+    v: torch.Tensor | None,
+    out: torch.Tensor,
+    vout: torch.Tensor | None,
+    offset: int,
+    mask: torch.Tensor | None = None,
+    seq: torch.Tensor | None = None,
+    lq: int = 0,
+) -> None:
+    """``qk_norm_rope`` written into rows ``offset:`` of key/value buffers (one Triton kernel).
+
+    Args:
+        x, weight, eps, rope, v: as ``qk_norm_rope``; x, v are (B, L, H, D).
+        out, vout: (B, S, H, D) contiguous buffers with S >= offset + L (vout None without v).
+        offset: the first buffer row that token 0 goes to.
+        mask: None, or (B, L) bool: then the kept tokens of each row go first, in order, and the
+            others after them as zeros (a key-padding layout), and ``seq`` is written.
+        seq: (2, >= B) int32 with unit last stride, with ``mask``: ``seq[0, b] = lq`` and
+            ``seq[1, b] = offset + kept`` for each row b (cuDNN's ``seq_len_q`` / ``seq_len_kv``).
+    """
+    if mask is not None and (
+        seq is None
+        or mask.shape != x.shape[:2]
+        or mask.dtype != torch.bool
+        or mask.stride(1) != 1
+        or seq.dtype != torch.int32
+        or seq.dim() != 2
+        or seq.shape[0] != 2
+        or seq.shape[1] < x.shape[0]
+        or seq.stride(1) != 1
+    ):
+        raise ValueError("qk_norm_rope_into: mask must be (B, L) bool, with seq (2, >= B) int32")
+    _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask, seq, lq)
+
+
+def _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask=None, seq=None, lq=0) -> None:
+    kernel, triton = _norm_rope_kernel()
+    b, seq_len, h, d = x.shape
+    if out.dim() != 4 or not out.is_contiguous() or out.shape[0] != b or out.shape[2:] != (h, d):
+        raise ValueError(
+            f"norm/RoPE output buffer of shape {tuple(out.shape)} does not fit x {tuple(x.shape)}"
+        )
+    if out.shape[1] < offset + seq_len or (vout is not None and vout.shape != out.shape):
+        raise ValueError("norm/RoPE output buffers too short or of different shapes")
     if rope is not None:
-        rope = rope.expand(b, seq, d // 2, 2, 2)
+        rope = rope.expand(b, seq_len, d // 2, 2, 2)
         if rope.stride()[2:] != (4, 2, 1):
             rope = rope.contiguous()
-    n_rows = b * seq * h
+    n_rows = b * seq_len * h
     br = 16  # 16 rows x 4 warps: 0.077 ms against 0.10 for 64 rows (results/norm_rope_variants_h200.json)
+    pack = mask is not None
     kernel[(triton.cdiv(n_rows, br),)](
         x,
         x.stride(0),
@@ -255,22 +327,31 @@ def qk_norm_rope(
         rope.stride(0) if rope is not None else 0,
         rope.stride(1) if rope is not None else 0,
         out,
+        out.stride(0),
+        offset,
         v if v is not None else x,
         v.stride(0) if v is not None else 0,
         v.stride(1) if v is not None else 0,
         v.stride(2) if v is not None else 0,
-        vout,
+        vout if vout is not None else out,
         n_rows,
-        seq,
+        seq_len,
         h,
         eps,
+        mask.view(torch.uint8) if pack else out,
+        mask.stride(0) if pack else 0,
+        seq_len,
+        seq if pack else out,
+        seq.stride(0) if pack else 0,
+        lq,
         D=d,
         BR=br,
         HAS_ROPE=rope is not None,
         COPY_V=v is not None,
+        PACK=pack,
+        BT=triton.next_power_of_2(seq_len) if pack else 1,
         num_warps=4,
     )
-    return out, (vout if v is not None else None)
 
 
 # -- FP8 row quantisation ------------------------------------------------------------------------

@@ -8,6 +8,8 @@
   outputs: QK RMSNorm, RoPE and the joint attention (``CompileConfig.attention = "fused"``).
 * ``torch.ops.prx_compile.prx_attention_fp8`` — the same with the attention on FP8 tensor cores
   (``precision: fp8``, rule ``lowering.fp8_attention``).
+* ``torch.ops.prx_compile.prx_attention_cudnn`` — the same with the joint attention as one cuDNN
+  call under a key-padding mask (``attention_kernel``, rule ``lowering.cudnn_attention``).
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
@@ -259,9 +261,10 @@ def _norm_rope(x, weight, eps, rope, v):
 
 
 def _prx_attention(
-    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8
+    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8, padded=False
 ):
-    """``prx_attention``'s body; ``fp8`` picks ``_joint_fp8`` for the attention itself."""
+    """``prx_attention``'s body; ``fp8`` picks ``_joint_fp8`` for the attention itself, ``padded``
+    the one cuDNN call of ``prx_attention_cudnn`` where it runs."""
     d = q_weight.shape[0] if q_weight.dim() == 1 else -1
     _expect(
         heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
@@ -286,16 +289,54 @@ def _prx_attention(
     kv = txt_kv.reshape(b, t, 2, heads, d)
     if rope is not None:
         rope = rope[:, 0]  # (B, L, D/2, 2, 2)
+    if text_mask is None:
+        text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
+    if padded and _padded_supported(qkv, q_weight, t):
+        out = _padded(
+            qkv, kv, text_mask.bool().contiguous(), rope, q_weight, k_weight, text_k_weight, eps, scale
+        )
+        return out.reshape(b, seq, heads * d)
     q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
     k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
     tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
-    if text_mask is None:
-        text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
     if fp8:
         out = _joint_fp8(q, tk, tv, text_mask.bool(), k, v, scale)
     else:
         out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
     return out.reshape(b, seq, heads * d)
+
+
+def _padded_supported(qkv: torch.Tensor, q_weight: torch.Tensor, t: int) -> bool:
+    """Where ``prx_attention_cudnn`` runs its one cuDNN call: the frontend loaded, the norm/RoPE
+    kernel's domain, the norm weights in the activations' dtype and at least one text token."""
+    from . import cudnn_attention, kernels
+
+    x = qkv[:, :, 0]
+    return (
+        t > 0
+        and q_weight.dtype == x.dtype
+        and kernels.norm_rope_supported(x)
+        and cudnn_attention.supported(x)
+    )
+
+
+def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale):
+    """The norms and RoPE written straight into [image keys; kept text keys; zeros] buffers, then
+    one cuDNN call under the padding mask. qkv: (B, L, 3, H, D), kv: (B, T, 2, H, D), mask (B, T)
+    bool contiguous, rope None or (B, L, D/2, 2, 2). Returns (B, L, H, D)."""
+    from . import cudnn_attention, kernels
+
+    b, seq, _, h, d = qkv.shape
+    t = kv.shape[1]
+    q, _ = kernels.qk_norm_rope(qkv[:, :, 0], q_weight, eps, rope)
+    keys = torch.empty(b, seq + t, h, d, device=qkv.device, dtype=qkv.dtype)
+    values = torch.empty_like(keys)
+    lengths = cudnn_attention.seq_buffer(b, qkv.device)
+    kernels.qk_norm_rope_into(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2], keys, values, 0)
+    kernels.qk_norm_rope_into(
+        kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1], keys, values, seq, mask, lengths, seq
+    )
+    return cudnn_attention.padded_attention(q, keys, values, lengths, scale)
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention", mutates_args=())
@@ -369,6 +410,50 @@ def prx_attention_fp8(
 
 
 @prx_attention_fp8.register_fake
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
+    b, seq, _ = img_qkv.shape
+    return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+
+
+@torch.library.custom_op(f"{_LIB}::prx_attention_cudnn", mutates_args=())
+def prx_attention_cudnn(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """``prx_attention`` with the joint attention as one cuDNN call (``attention_kernel``, rule
+    ``lowering.cudnn_attention``).
+
+    Same arguments and result. The norm/RoPE kernels write the keys and values as [image keys;
+    the kept text keys, in order; zeros] and cuDNN's frontend runs one attention under a key-padding
+    mask (``ops.cudnn_attention``): exact, as the split path, without its second kernel, bias and
+    merge. Where the frontend is not installed or not loadable, or off CUDA, this runs
+    ``prx_attention``'s own path (the named fallback).
+    """
+    return _prx_attention(
+        img_qkv,
+        txt_kv,
+        text_mask,
+        rope,
+        q_weight,
+        k_weight,
+        text_k_weight,
+        heads,
+        eps,
+        scale,
+        fp8=False,
+        padded=True,
+    )
+
+
+@prx_attention_cudnn.register_fake
 def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
     b, seq, _ = img_qkv.shape
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
@@ -491,6 +576,7 @@ def _(x, weight, bias):
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
+PRX_ATTENTION_CUDNN = torch.ops.prx_compile.prx_attention_cudnn.default
 PRX_ATTENTION_FP8 = torch.ops.prx_compile.prx_attention_fp8.default
 FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
 FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default

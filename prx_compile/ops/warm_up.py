@@ -31,10 +31,11 @@ def warm_up(
     device: torch.device,
     fp8: bool = False,
     shape: tuple[int, int, int] = (1, 64, 16),
+    padded: bool = False,
 ) -> None:
-    """``prx_attention`` (or its FP8 variant) with ``heads`` heads of ``head_dim``, in ``dtype`` on
-    ``device``, for ``shape`` = (batch, image tokens, text tokens); then a (batch * image tokens,
-    H*D) x (H*D, H*D) GEMM."""
+    """``prx_attention`` (with ``fp8`` its FP8 variant, with ``padded`` its one-call cuDNN one) with
+    ``heads`` heads of ``head_dim``, in ``dtype`` on ``device``, for ``shape`` = (batch, image
+    tokens, text tokens); then a (batch * image tokens, H*D) x (H*D, H*D) GEMM."""
     g = torch.Generator(device=device).manual_seed(0)
     width = heads * head_dim
     b, seq, t = shape
@@ -46,7 +47,7 @@ def warm_up(
     mask = torch.ones(b, t, dtype=torch.bool, device=device)
     rope = rand(b, 1, seq, head_dim // 2, 2, 2, dt=torch.float32)
     w = torch.ones(head_dim, dtype=dtype, device=device)
-    out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8)
+    out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8, padded)
     F.linear(out, rand(width, width))
 
 
@@ -62,7 +63,7 @@ def step_shape(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> tupl
 
 
 def in_background(
-    model: torch.nn.Module, fp8: bool, shape: tuple[int, int, int] | None = None
+    model: torch.nn.Module, fp8: bool, shape: tuple[int, int, int] | None = None, padded: bool = False
 ) -> threading.Thread | None:
     """A started thread that warms up the ops for ``model`` (a PRX transformer on a CUDA device) at
     ``shape`` (``step_shape``; None: tiny inputs), or None where there is nothing to warm (no CUDA, a
@@ -83,7 +84,7 @@ def in_background(
             with torch.cuda.device(device), torch.no_grad():
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):
-                    warm_up(heads, width // heads, dtype, device, fp8, shape or (1, 64, 16))
+                    warm_up(heads, width // heads, dtype, device, fp8, shape or (1, 64, 16), padded)
                 stream.synchronize()
         except Exception as e:  # the first real step then pays for it, as before
             logger.info("warm-up of the step's ops failed (the first step will set them up): %s", e)

@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def fused_op() -> str:
+    """The op ``attention: fused`` runs with the default ``attention_kernel: auto``: the one-call
+    cuDNN attention where cuDNN's frontend is installed, else ``prx_attention``."""
+    from prx_compile.ops import cudnn_attention
+
+    name = "prx_attention_cudnn" if cudnn_attention.installed() else "prx_attention"
+    return f"prx_compile.{name}.default"
+
+
 #: Small enough to build in seconds, wide enough for real attention kernels (head dim 64).
 SMALL_PRX = dict(
     in_channels=16,

@@ -9,7 +9,7 @@ from prx_compile.ops import kernels, prx_attention, qk_norm_rope_torch
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 
-from .conftest import RANGE, SMALL_PRX
+from .conftest import RANGE, SMALL_PRX, fused_op
 from .test_tensorrt import TOL, eager, inputs
 
 pytestmark = pytest.mark.gpu
@@ -69,6 +69,6 @@ def test_compile_prx_fused_switch(fused):
         out = ct(**kw, return_dict=False)[0]
         assert rel_err(out, eager(model, kw)) < TOL
     rep = ct.report()
-    op = "prx_compile.prx_attention.default" if fused else "prx_compile.joint_attention.default"
+    op = fused_op() if fused else "prx_compile.joint_attention.default"
     assert rep["torch_ops"] == {op: SMALL_PRX["depth"]}, rep["torch_ops"]
     assert rep["engines"] == SMALL_PRX["depth"] + 1

@@ -124,7 +124,16 @@ def test_causal_and_dropout_are_left_alone():
 
 
 def test_rules_registry_is_ordered_and_documented():
-    assert list(RULES) == ["unfold", "fold", "attention", "select", "fp8_mlp", "fp8_attention", "linear"]
+    assert list(RULES) == [
+        "unfold",
+        "fold",
+        "attention",
+        "select",
+        "fp8_mlp",
+        "fp8_attention",
+        "cudnn_attention",
+        "linear",
+    ]
     for rule in RULES.values():
         assert rule.__doc__ and rule.__module__.startswith("prx_compile.lowering.")
         assert "Matches" in __import__(rule.__module__, fromlist=["x"]).__doc__

@@ -49,6 +49,7 @@ from ...ops import (
     JOINT_ATTENTION,
     LINEAR,
     PRX_ATTENTION,
+    PRX_ATTENTION_CUDNN,
     PRX_ATTENTION_FP8,
     warm_up,
 )
@@ -94,7 +95,7 @@ class TensorRTBackend(Backend):
             "device": _cuda_device(cfg.device),
         }
         kept = (
-            {PRX_ATTENTION, PRX_ATTENTION_FP8, JOINT_ATTENTION, FLASH_ATTENTION}
+            {PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FP8, JOINT_ATTENTION, FLASH_ATTENTION}
             if cfg.attention != "tensorrt"
             else set()
         )
@@ -128,7 +129,10 @@ class TensorRTBackend(Backend):
         warming = None
         if fused:
             shape = warm_up.step_shape(self.model, example)
-            warming = warm_up.in_background(self.model, cfg.precision == "fp8", shape)
+            lowering = cfg.lowering(self.shapes)
+            warming = warm_up.in_background(
+                self.model, lowering.fp8_attention, shape, padded=lowering.cudnn_attention
+            )
         settings = self.settings()
 
         def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

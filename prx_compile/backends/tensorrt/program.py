@@ -40,6 +40,7 @@ def _ops() -> dict[str, Callable]:
     overloads = [
         prx.prx_attention.default,
         prx.prx_attention_fp8.default,
+        prx.prx_attention_cudnn.default,
         prx.joint_attention.default,
         prx.flash_attention.default,
         prx.fp8_linear.default,

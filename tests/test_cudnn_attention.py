@@ -1,0 +1,137 @@
+"""``attention_kernel`` on a CPU: what the config resolves to with and without cuDNN's frontend, the
+lowering rule, ``prx_attention_cudnn``'s named fallback, and the key-padding layout the Triton
+norm/RoPE kernel writes (in Triton's CPU interpreter, where triton is installed), with exact
+attention over it against ``prx_attention``."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from prx_compile import CompileConfig, ConfigError
+from prx_compile.lowering import LoweringSettings, lower
+from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FP8, cudnn_attention, library
+
+
+def op_args(b=2, seq=24, t=10, h=2, d=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    img_qkv, txt_kv = torch.randn(b, seq, 3 * h * d, generator=g), torch.randn(b, t, 2 * h * d, generator=g)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[0, [1, 4, 5]] = True  # scattered kept tokens; row 1 keeps none
+    rope_angle = torch.randn(b, seq, d // 2, generator=g)
+    c, s = rope_angle.cos(), rope_angle.sin()
+    rope = torch.stack([c, -s, s, c], -1).reshape(b, 1, seq, d // 2, 2, 2)
+    ws = [1 + 0.2 * torch.randn(d, generator=g) for _ in range(3)]
+    return [img_qkv, txt_kv, mask, rope, *ws, h, 1e-6, d**-0.5]
+
+
+@pytest.mark.parametrize(
+    "kernel, installed, expected",
+    [("auto", True, True), ("auto", False, False), ("cudnn", True, True), ("split", True, False)],
+)
+def test_attention_kernel_resolves_by_the_frontend(monkeypatch, kernel, installed, expected):
+    monkeypatch.setattr(cudnn_attention, "installed", lambda: installed)
+    cfg = CompileConfig.resolve(None, attention_kernel=kernel)
+    assert cfg.lowering().cudnn_attention is expected
+    assert cfg.replace(attention="flash").lowering().cudnn_attention is False  # fused attention only
+
+
+def test_cudnn_without_the_frontend_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(cudnn_attention, "installed", lambda: False)
+    cfg = CompileConfig.resolve(None, attention_kernel="cudnn")
+    with pytest.raises(
+        ConfigError, match=r"attention_kernel=cudnn needs cuDNN's frontend.*prx_compile\[cudnn\]"
+    ):
+        cfg.lowering()
+
+
+def test_attention_kernel_keys_the_engine_cache():
+    a, b = CompileConfig.resolve(None), CompileConfig.resolve(None, attention_kernel="split")
+    assert a.engine_settings() != b.engine_settings()
+
+
+def test_rule_retargets_what_fp8_attention_left():
+    def graph():
+        g = torch.fx.Graph()
+        a = [g.placeholder(n) for n in ("qkv", "kv", "mask", "w")]
+        g.output(g.call_function(PRX_ATTENTION, (a[0], a[1], a[2], None, a[3], a[3], a[3], 2, 1e-6, 0.25)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    def targets(settings):
+        return [n.target for n in lower(graph(), settings).graph.nodes if n.op == "call_function"]
+
+    assert targets(LoweringSettings()) == [PRX_ATTENTION]
+    assert targets(LoweringSettings(cudnn_attention=True)) == [PRX_ATTENTION_CUDNN]
+    assert targets(LoweringSettings(cudnn_attention=True, fp8_attention=True)) == [PRX_ATTENTION_FP8]
+
+
+def test_the_op_falls_back_to_prx_attention_off_cuda():
+    args = op_args()
+    torch.testing.assert_close(
+        torch.ops.prx_compile.prx_attention_cudnn(*args),
+        torch.ops.prx_compile.prx_attention(*args),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+def test_padded_layout_from_the_kernel_gives_prx_attention():
+    """The norm/RoPE kernel (interpreted) writes [image keys; kept text keys; zeros] and the lengths;
+    exact attention over each row's first ``seq_len_kv`` keys is ``prx_attention``. In a new process:
+    TRITON_INTERPRET must be set before triton is first imported (torch imports it where installed)."""
+    code = "from tests.test_cudnn_attention import padded_layout_check; padded_layout_check()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def padded_layout_check() -> None:
+    """The body of the test above (fp32: the interpreter's bf16 casts do not round as the GPU's)."""
+    from prx_compile.ops import kernels
+
+    img_qkv, txt_kv, mask, rope, wq, wk, wt, h, eps, scale = op_args()
+    b, seq, t, d = img_qkv.shape[0], img_qkv.shape[1], txt_kv.shape[1], wq.shape[0]
+    ref = torch.ops.prx_compile.prx_attention(img_qkv, txt_kv, mask, rope, wq, wk, wt, h, eps, scale)
+    qkv, kv = img_qkv.view(b, seq, 3, h, d), txt_kv.clone().view(b, t, 2, h, d)
+    kv[~mask] = float("nan")  # dropped tokens: never read into the layout
+    keys = torch.full((b, seq + t, h, d), 5.0)
+    values = keys.clone()
+    lengths = cudnn_attention.seq_buffer(b, keys.device).fill_(-1)
+    kernels.qk_norm_rope_into(qkv[:, :, 1], wk, eps, rope[:, 0], qkv[:, :, 2], keys, values, 0)
+    kernels.qk_norm_rope_into(kv[:, :, 0], wt, eps, None, kv[:, :, 1], keys, values, seq, mask, lengths, seq)
+    assert lengths[:, :b].tolist() == [[seq, seq], [seq + 3, seq]], lengths
+    assert (keys[0, seq + 3 :] == 0).all() and (values[1, seq:] == 0).all()
+    q = library.qk_norm_rope_torch(qkv[:, :, 0], wq, eps, rope[:, 0])
+    live = torch.arange(seq + t)[None] < lengths[1, :b, None]
+    got = library._reference(q, keys, values, live, scale).reshape(b, seq, h * d)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_into_refuses_buffers_that_do_not_fit():
+    from prx_compile.ops import kernels
+
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="mask must be"):
+        kernels.qk_norm_rope_into(x, torch.ones(8), 1e-6, None, None, torch.empty(1, 8, 2, 8), None, 0,
+                                  torch.ones(1, 4))  # fmt: skip
+
+
+def test_every_prx_compile_op_may_run_in_a_program():
+    """A Program (and an artifact's) runs only the ops it lists: each ``torch.ops.prx_compile`` op
+    that can run in PyTorch between engines must be one (the GPU tests once found
+    ``prx_attention_cudnn`` missing). ``block_boundary`` only marks blocks during an export and is
+    removed before a Program is made."""
+    import prx_compile.export.repeat  # noqa: F401  (registers block_boundary)
+    from prx_compile.backends.tensorrt import program
+
+    names = [
+        n for n in dir(torch.ops.prx_compile) if not n.startswith("_") and n not in ("name", "block_boundary")
+    ]
+    ops = [getattr(torch.ops.prx_compile, n) for n in names]
+    ops = [str(op.default) for op in ops if hasattr(op, "default")]
+    assert "prx_compile.prx_attention_cudnn.default" in ops and len(ops) >= 8, ops
+    assert set(ops) <= set(program.OPS), set(ops) - set(program.OPS)
