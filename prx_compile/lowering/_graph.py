@@ -135,3 +135,16 @@ def rewrite_calls(gm: fx.GraphModule, target: Any, rule: str, emit: Callable[[Em
     if count:
         logger.info("%s: rewrote %d %s node(s)", rule, count, target)
     return count
+
+
+def retarget(gm: fx.GraphModule, target: Any, new_target: Any, rule: str) -> int:
+    """Point each call of ``target`` at ``new_target`` (an op with the same arguments and result).
+    Logs and returns how many were retargeted."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == target:
+            node.target = new_target
+            count += 1
+    if count:
+        logger.info("%s: rewrote %d %s node(s)", rule, count, target)
+    return count

@@ -11,24 +11,14 @@ Switch: ``LoweringSettings.cudnn_attention`` (``CompileConfig.attention_kernel``
 
 from __future__ import annotations
 
-import logging
-
 import torch.fx as fx
 
 from ..ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN
-
-logger = logging.getLogger(__name__)
+from ._graph import retarget
 
 
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     """Retarget each ``prx_attention`` node to ``prx_attention_cudnn`` (switch: ``cudnn_attention``)."""
-    if not getattr(settings, "cudnn_attention", False):
-        return gm
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == PRX_ATTENTION:
-            node.target = PRX_ATTENTION_CUDNN
-            count += 1
-    if count:
-        logger.info("cudnn_attention: rewrote %d %s node(s)", count, PRX_ATTENTION)
+    if getattr(settings, "cudnn_attention", False):
+        retarget(gm, PRX_ATTENTION, PRX_ATTENTION_CUDNN, "cudnn_attention")
     return gm

@@ -12,24 +12,14 @@ Switch: ``LoweringSettings.fp8_attention`` (``CompileConfig.fp8_attention`` with
 
 from __future__ import annotations
 
-import logging
-
 import torch.fx as fx
 
 from ..ops import PRX_ATTENTION, PRX_ATTENTION_FP8
-
-logger = logging.getLogger(__name__)
+from ._graph import retarget
 
 
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     """Retarget each ``prx_attention`` node to ``prx_attention_fp8`` (switch: ``fp8_attention``)."""
-    if not getattr(settings, "fp8_attention", False):
-        return gm
-    count = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == PRX_ATTENTION:
-            node.target = PRX_ATTENTION_FP8
-            count += 1
-    if count:
-        logger.info("fp8_attention: rewrote %d %s node(s)", count, PRX_ATTENTION)
+    if getattr(settings, "fp8_attention", False):
+        retarget(gm, PRX_ATTENTION, PRX_ATTENTION_FP8, "fp8_attention")
     return gm
