@@ -376,10 +376,15 @@ def prx_attention(
     )
 
 
-@prx_attention.register_fake
-def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
+def _prx_attention_fake(
+    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale
+):
+    """The shape every ``prx_attention`` variant returns: (B, L, H*D)."""
     b, seq, _ = img_qkv.shape
     return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+
+
+prx_attention.register_fake(_prx_attention_fake)
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention_fp8", mutates_args=())
@@ -409,10 +414,7 @@ def prx_attention_fp8(
     )
 
 
-@prx_attention_fp8.register_fake
-def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
-    b, seq, _ = img_qkv.shape
-    return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+prx_attention_fp8.register_fake(_prx_attention_fake)
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention_cudnn", mutates_args=())
@@ -453,10 +455,7 @@ def prx_attention_cudnn(
     )
 
 
-@prx_attention_cudnn.register_fake
-def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale):
-    b, seq, _ = img_qkv.shape
-    return img_qkv.new_empty((b, seq, heads * q_weight.shape[0]))
+prx_attention_cudnn.register_fake(_prx_attention_fake)
 
 
 def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale):
