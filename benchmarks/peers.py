@@ -7,12 +7,14 @@ Full-size PRX (1.17 B, bf16, non-degenerate weights), the pipeline's text mask, 
 its first call at each shape is recorded (``build_s``, then ``extra.first_call_s``), then warm
 ms/step and the error against bf16 eager. Parts (each path appended in this order):
   bf16   eager; torch.compile regional (each ``PRXBlock`` ``.compile(dynamic=False)``, diffusers'
-         regional compilation); compile_prx default (``attention_kernel: auto``: one cuDNN call per
-         attention where cuDNN's frontend is installed); the same with ``attention_kernel: split``
+         regional compilation); compile_prx default (``attention_kernel: auto``: one FlashAttention-4
+         call per attention where flash-attn-4 is installed, else one cuDNN call; ``fuse_mlp_gate``:
+         the MLP gate as one cuDNN GEMM with GELU * up in its epilogue); the same without the fused
+         gate; the same with ``attention_kernel: cudnn`` and without the fused gate (0.14's default)
   fp8    torch.compile regional + torchao float8 (``Float8DynamicActivationFloat8WeightConfig(PerRow())``
          on the block linears that ``precision: fp8`` quantises, then the blocks compiled); the
          ``prx-1024-fp8`` preset; the same with ``fp8_attention: false`` (bf16 attention, by
-         ``attention_kernel: auto``)
+         ``attention_kernel: auto``: FlashAttention-4 where installed)
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for -> OUT.json's ``profiles``
@@ -66,7 +68,10 @@ def paths(parts: list[str]) -> dict:
     if "bf16" in parts:
         out["torch.compile regional"] = regional
         out["compile_prx"] = compile_path()
-        out["compile_prx[attention_kernel: split]"] = compile_path(attention_kernel="split")
+        out["compile_prx[fuse_mlp_gate: false]"] = compile_path(fuse_mlp_gate=False)
+        out["compile_prx[attention_kernel: cudnn, fuse_mlp_gate: false]"] = compile_path(
+            attention_kernel="cudnn", fuse_mlp_gate=False
+        )
     if "fp8" in parts:
         out["torch.compile regional+torchao"] = regional_torchao
         out["compile_prx[prx-1024-fp8]"] = compile_path("prx-1024-fp8")
@@ -109,8 +114,8 @@ def profiles(model, parts: list[str]) -> dict:
     variants = {}
     if "bf16" in parts:
         variants["compile_prx"] = dict(config="prx-1024-bf16-static")
-        variants["compile_prx[attention_kernel: split]"] = dict(
-            config="prx-1024-bf16-static", attention_kernel="split"
+        variants["compile_prx[attention_kernel: cudnn, fuse_mlp_gate: false]"] = dict(
+            config="prx-1024-bf16-static", attention_kernel="cudnn", fuse_mlp_gate=False
         )
     if "fp8" in parts:
         variants["compile_prx[prx-1024-fp8]"] = dict(config="prx-1024-fp8", **static)

@@ -171,7 +171,9 @@ def kernel_categories(names_ms: dict[str, tuple[int, float]]) -> dict[str, float
     rules = [
         ("cuBLAS GEMM (torch._scaled_mm)", ("nvjet", "f8f8bf16", "scaled_mm")),
         ("triton fp8 quantisation", ("_row_quant", "_gelu_mul_quant")),
+        ("attention (FlashAttention-4)", ("flash_attncute",)),
         ("attention (cuDNN)", ("sdpa", "flash", "fmha")),
+        ("cuDNN GEMM + epilogue (the MLP gate)", ("cudnn_generated_fort_native_sm90_matmul",)),
         ("tensorrt (myelin fusions, its GEMMs)", ("__myl", "matmul", "xmma", "gemm")),
     ]
     out: dict[str, float] = {}

@@ -28,7 +28,7 @@ ATTENTION = ("fused", "flash", "tensorrt")
 WEIGHTS = ("inputs", "engine")
 PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "split", "error")
-ATTENTION_KERNELS = ("auto", "cudnn", "split")
+ATTENTION_KERNELS = ("auto", "flash4", "cudnn", "split")
 RANGE_LINEARS = ("torch", "tensorrt")
 BIN_FAMILIES = (256, 512, 1024)
 #: The most ``specialize`` entries (each is an engine set of its own).
@@ -62,6 +62,7 @@ ENGINE_KEYS = (
     "fp8_mlp",
     "fp8_attention",
     "attention_kernel",
+    "fuse_mlp_gate",
     "share_engines",
     "weights",
     "optimization_level",
@@ -109,14 +110,24 @@ class CompileConfig:
         with an engine for GELU * up between them.
     fp8_attention: with ``precision: fp8`` and ``attention: fused``, run the joint attention on FP8
         tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one scale per
-        128 tokens and head, computed on the device); false keeps it in bf16 (cuDNN). On the H200
-        the full fp8 step ran 2-7 % faster with it, at the same error (README, Performance).
-    attention_kernel: with ``attention: fused``, how the bf16 joint attention runs: "cudnn", one
-        cuDNN call under a key-padding mask through cuDNN's frontend (``prx_attention_cudnn``; the
-        ``cudnn`` extra, ``pip install 'prx_compile[cudnn]'``); "split", a dense cuDNN call over the
-        image keys, a masked one over the text keys and an exact merge (PyTorch's SDPA kernels, no
-        extra); "auto", "cudnn" where the frontend is installed, else "split". Both are exact. FP8
-        attention (``precision: fp8``, ``fp8_attention``) takes precedence.
+        128 tokens and head, computed on the device); false keeps it in bf16 (``attention_kernel``);
+        "auto" (the default): FP8 unless ``attention_kernel`` runs FlashAttention-4, whose bf16
+        attention ran the fp8 step faster on the H200 than our FP8 kernels (23.58 / 12.60 / 21.63
+        against 24.27 / 13.57 / 24.06 ms at 1024² b2, b1 and 832x1216 b2, the same error;
+        ``peers_v15_fp8_h200.json``).
+    attention_kernel: with ``attention: fused``, how the bf16 joint attention runs: "flash4", one
+        FlashAttention-4 call per block over a key-padding layout (``prx_attention_flash4``; the
+        ``flash4`` extra, ``pip install 'prx_compile[flash4]'``; measured on Hopper, elsewhere it
+        runs the cuDNN call); "cudnn", the same layout as one cuDNN call through cuDNN's frontend
+        (``prx_attention_cudnn``; the ``cudnn`` extra); "split", a dense cuDNN call over the image
+        keys, a masked one over the text keys and an exact merge (PyTorch's SDPA kernels, no
+        extra); "auto", the first of "flash4", "cudnn" whose package is installed, else "split".
+        All are exact. FP8 attention (``precision: fp8``, ``fp8_attention``) takes precedence.
+    fuse_mlp_gate: where an engine set runs its linears in PyTorch (``static_linears`` /
+        ``range_linears: torch``) and cuDNN's frontend is installed (the ``cudnn`` extra), run each
+        MLP gate ``gelu_tanh(gate_proj(x)) * up_proj(x)`` as one cuDNN GEMM with the GELU and the
+        product in its epilogue (``gelu_gate``) instead of a cuBLAS GEMM and a TensorRT kernel.
+        Not with ``precision: fp8`` (``fp8_mlp`` fuses its MLP).
     range_linears: where the engine sets for a range of shapes run their linears: "torch" (cuBLAS,
         between engines; TensorRT-RTX runs dynamic-shape GEMMs with slower Ampere kernels on
         Hopper) or "tensorrt". Only with ``weights: inputs``; with ``weights: engine`` the engines
@@ -165,8 +176,9 @@ class CompileConfig:
     cuda_graphs: bool = True
     select_as_slice: bool = True
     fp8_mlp: bool = True
-    fp8_attention: bool = True
+    fp8_attention: bool | str = "auto"
     attention_kernel: str = "auto"
+    fuse_mlp_gate: bool = True
     range_linears: str = "torch"
     static_linears: str = "torch"
     share_engines: bool = True
@@ -208,7 +220,16 @@ class CompileConfig:
         choice("range_linears", RANGE_LINEARS)
         choice("attention_kernel", ATTENTION_KERNELS)
         choice("static_linears", RANGE_LINEARS)
-        bools = ("cuda_graphs", "static", "select_as_slice", "fp8_mlp", "fp8_attention", "share_engines")
+        bools = (
+            "cuda_graphs",
+            "static",
+            "select_as_slice",
+            "fp8_mlp",
+            "fuse_mlp_gate",
+            "share_engines",
+        )
+        if not (isinstance(self.fp8_attention, bool) or self.fp8_attention == "auto"):
+            raise ConfigError(f"fp8_attention={excerpt(self.fp8_attention)} must be true, false or auto.")
         for key in (*bools, "share_context_memory"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={excerpt(getattr(self, key))} must be true or false.")
@@ -396,26 +417,55 @@ class CompileConfig:
             attention="tensorrt" if self.attention == "tensorrt" else "flash",
             select_as_slice=self.select_as_slice,
             fp8_mlp=self.fp8_mlp,
-            fp8_attention=self.precision == "fp8" and self.fp8_attention,
-            cudnn_attention=self.attention == "fused" and self.cudnn_attention(),
+            fp8_attention=self.fp8_attention_on(),
+            padded_attention=self.padded_attention() if self.attention == "fused" else None,
+            gelu_gate=self.gelu_gate(shapes),
             linears_in_torch=self.linears_in_torch(shapes),
         )
 
-    def cudnn_attention(self) -> bool:
-        """Whether ``attention_kernel`` asks for the one-call cuDNN attention: "cudnn", or "auto"
-        with cuDNN's frontend installed. "cudnn" without it is a ``ConfigError``."""
+    def gelu_gate(self, shapes: ShapeRange | None) -> bool:
+        """Whether engine sets over ``shapes`` run the MLP gate as cuDNN's fused GEMM
+        (``fuse_mlp_gate``): only with their linears in PyTorch, cuDNN's frontend installed and
+        not ``precision: fp8``."""
         from .ops import cudnn_attention
 
-        if self.attention_kernel == "split":
+        return (
+            self.fuse_mlp_gate
+            and self.precision != "fp8"
+            and self.linears_in_torch(shapes)
+            and cudnn_attention.installed()
+        )
+
+    def fp8_attention_on(self) -> bool:
+        """Whether the joint attention runs in FP8 (``precision: fp8`` and ``fp8_attention``; "auto":
+        unless the bf16 attention would run on FlashAttention-4)."""
+        if self.precision != "fp8" or self.attention != "fused":
             return False
-        if cudnn_attention.installed():
-            return True
-        if self.attention_kernel == "cudnn":
-            raise ConfigError(
-                "attention_kernel=cudnn needs cuDNN's frontend (the nvidia-cudnn-frontend package).",
-                "pip install 'prx_compile[cudnn]', or use attention_kernel: split.",
-            )
-        return False
+        if self.fp8_attention == "auto":
+            return self.padded_attention() != "flash4"
+        return self.fp8_attention
+
+    def padded_attention(self) -> str | None:
+        """The one-call attention ``attention_kernel`` asks for: "flash4", "cudnn" or None (the
+        split path). "auto" takes the first whose package is installed; "flash4" or "cudnn"
+        without its package is a ``ConfigError`` that names the extra."""
+        from .ops import cudnn_attention, flash4_attention
+
+        if self.attention_kernel == "split":
+            return None
+        packages = {"flash4": flash4_attention.installed, "cudnn": cudnn_attention.installed}
+        if self.attention_kernel == "auto":
+            return next((kind for kind, installed in packages.items() if installed()), None)
+        if packages[self.attention_kernel]():
+            return self.attention_kernel
+        needs = {
+            "flash4": "FlashAttention-4 (the flash-attn-4 package)",
+            "cudnn": "cuDNN's frontend (the nvidia-cudnn-frontend package)",
+        }[self.attention_kernel]
+        raise ConfigError(
+            f"attention_kernel={self.attention_kernel} needs {needs}.",
+            f"pip install 'prx_compile[{self.attention_kernel}]', or use attention_kernel: split.",
+        )
 
     def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
         """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``

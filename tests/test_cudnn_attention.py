@@ -1,5 +1,6 @@
-"""``attention_kernel`` on a CPU: what the config resolves to with and without cuDNN's frontend, the
-lowering rule, ``prx_attention_cudnn``'s named fallback, and the key-padding layout the Triton
+"""``attention_kernel`` on a CPU: what the config resolves to with and without FlashAttention-4 and
+cuDNN's frontend, the lowering rule, the one-call ops' named fallbacks (FlashAttention-4, then cuDNN,
+then the split path), and the key-padding layout the Triton
 norm/RoPE kernel writes (in Triton's CPU interpreter, where triton is installed), with exact
 attention over it against ``prx_attention``."""
 
@@ -13,7 +14,16 @@ import torch
 
 from prx_compile import CompileConfig, ConfigError
 from prx_compile.lowering import LoweringSettings, lower
-from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FP8, cudnn_attention, library
+from prx_compile.ops import (
+    PRX_ATTENTION,
+    PRX_ATTENTION_CUDNN,
+    PRX_ATTENTION_FLASH4,
+    PRX_ATTENTION_FP8,
+    cudnn_attention,
+    flash4_attention,
+    kernels,
+    library,
+)
 
 
 def op_args(b=2, seq=24, t=10, h=2, d=16, seed=1):
@@ -29,28 +39,62 @@ def op_args(b=2, seq=24, t=10, h=2, d=16, seed=1):
 
 
 @pytest.mark.parametrize(
-    "kernel, installed, expected",
-    [("auto", True, True), ("auto", False, False), ("cudnn", True, True), ("split", True, False)],
+    "kernel, flash4, cudnn, expected",
+    [
+        ("auto", True, True, "flash4"),
+        ("auto", False, True, "cudnn"),
+        ("auto", False, False, None),
+        ("flash4", True, False, "flash4"),
+        ("cudnn", True, True, "cudnn"),
+        ("split", True, True, None),
+    ],
 )
-def test_attention_kernel_resolves_by_the_frontend(monkeypatch, kernel, installed, expected):
-    monkeypatch.setattr(cudnn_attention, "installed", lambda: installed)
+def test_attention_kernel_resolves_by_the_packages(monkeypatch, kernel, flash4, cudnn, expected):
+    monkeypatch.setattr(flash4_attention, "installed", lambda: flash4)
+    monkeypatch.setattr(cudnn_attention, "installed", lambda: cudnn)
     cfg = CompileConfig.resolve(None, attention_kernel=kernel)
-    assert cfg.lowering().cudnn_attention is expected
-    assert cfg.replace(attention="flash").lowering().cudnn_attention is False  # fused attention only
+    assert cfg.lowering().padded_attention == expected
+    assert cfg.replace(attention="flash").lowering().padded_attention is None  # fused attention only
 
 
-def test_cudnn_without_the_frontend_is_a_config_error(monkeypatch):
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        ("cudnn", r"attention_kernel=cudnn needs cuDNN's frontend.*prx_compile\[cudnn\]"),
+        (
+            "flash4",
+            r"attention_kernel=flash4 needs FlashAttention-4 \(the flash-attn-4.*prx_compile\[flash4\]",
+        ),
+    ],
+)
+def test_a_kernel_without_its_package_is_a_config_error(monkeypatch, kernel, message):
     monkeypatch.setattr(cudnn_attention, "installed", lambda: False)
-    cfg = CompileConfig.resolve(None, attention_kernel="cudnn")
-    with pytest.raises(
-        ConfigError, match=r"attention_kernel=cudnn needs cuDNN's frontend.*prx_compile\[cudnn\]"
-    ):
+    monkeypatch.setattr(flash4_attention, "installed", lambda: False)
+    cfg = CompileConfig.resolve(None, attention_kernel=kernel)
+    with pytest.raises(ConfigError, match=message):
         cfg.lowering()
 
 
+def test_lowering_settings_take_only_the_known_kernels():
+    with pytest.raises(ConfigError, match=r"padded_attention='flash3' is not one of"):
+        LoweringSettings(padded_attention="flash3")
+
+
+def test_flash4_is_not_installed_here_and_loads_nothing_off_cuda():
+    """CI has no FlashAttention-4 (and no GPU): the config's ``auto`` must not pick it, and asking
+    for its kernel imports nothing."""
+    if importlib.util.find_spec("flash_attn") is None:
+        assert not flash4_attention.installed()
+    if not torch.cuda.is_available():
+        assert flash4_attention.kernel() is None
+
+
 def test_attention_kernel_keys_the_engine_cache():
-    a, b = CompileConfig.resolve(None), CompileConfig.resolve(None, attention_kernel="split")
-    assert a.engine_settings() != b.engine_settings()
+    keys = {
+        str(CompileConfig.resolve(None, attention_kernel=k).engine_settings())
+        for k in ("auto", "flash4", "cudnn", "split")
+    }
+    assert len(keys) == 4
 
 
 def test_rule_retargets_what_fp8_attention_left():
@@ -64,18 +108,40 @@ def test_rule_retargets_what_fp8_attention_left():
         return [n.target for n in lower(graph(), settings).graph.nodes if n.op == "call_function"]
 
     assert targets(LoweringSettings()) == [PRX_ATTENTION]
-    assert targets(LoweringSettings(cudnn_attention=True)) == [PRX_ATTENTION_CUDNN]
-    assert targets(LoweringSettings(cudnn_attention=True, fp8_attention=True)) == [PRX_ATTENTION_FP8]
+    assert targets(LoweringSettings(padded_attention="cudnn")) == [PRX_ATTENTION_CUDNN]
+    assert targets(LoweringSettings(padded_attention="flash4")) == [PRX_ATTENTION_FLASH4]
+    assert targets(LoweringSettings(padded_attention="flash4", fp8_attention=True)) == [PRX_ATTENTION_FP8]
 
 
-def test_the_op_falls_back_to_prx_attention_off_cuda():
+@pytest.mark.parametrize("op", ["prx_attention_cudnn", "prx_attention_flash4"])
+def test_the_op_falls_back_to_prx_attention_off_cuda(op):
     args = op_args()
     torch.testing.assert_close(
-        torch.ops.prx_compile.prx_attention_cudnn(*args),
+        getattr(torch.ops.prx_compile, op)(*args),
         torch.ops.prx_compile.prx_attention(*args),
         rtol=0,
         atol=0,
     )
+
+
+@pytest.mark.parametrize(
+    "kind, flash4, cudnn, expected",
+    [
+        ("flash4", True, True, flash4_attention),
+        ("flash4", False, True, cudnn_attention),  # FlashAttention-4 cannot run: cuDNN
+        ("flash4", False, False, None),  # neither: the split path
+        ("cudnn", True, True, cudnn_attention),
+        ("cudnn", True, False, None),
+    ],
+)
+def test_the_one_call_kernel_falls_back_in_order(monkeypatch, kind, flash4, cudnn, expected):
+    monkeypatch.setattr(kernels, "norm_rope_supported", lambda x: True)
+    monkeypatch.setattr(flash4_attention, "supported", lambda q: flash4)
+    monkeypatch.setattr(cudnn_attention, "supported", lambda q: cudnn)
+    qkv = torch.zeros(2, 8, 3, 2, 16)
+    assert library._padded_kernel(kind, qkv, torch.ones(16), 4) is expected
+    assert library._padded_kernel(kind, qkv, torch.ones(16), 0) is None  # no text token
+    assert library._padded_kernel(kind, qkv, torch.ones(16, dtype=torch.float64), 4) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
@@ -133,5 +199,25 @@ def test_every_prx_compile_op_may_run_in_a_program():
     ]
     ops = [getattr(torch.ops.prx_compile, n) for n in names]
     ops = [str(op.default) for op in ops if hasattr(op, "default")]
-    assert "prx_compile.prx_attention_cudnn.default" in ops and len(ops) >= 8, ops
+    assert "prx_compile.prx_attention_cudnn.default" in ops and len(ops) >= 9, ops
+    assert "prx_compile.prx_attention_flash4.default" in ops
     assert set(ops) <= set(program.OPS), set(ops) - set(program.OPS)
+
+
+@pytest.mark.parametrize("flash4, expected", [(True, False), (False, True)])
+def test_fp8_attention_auto_gives_way_to_flash_attention_4(monkeypatch, flash4, expected):
+    """``fp8_attention: auto`` (the default): FP8 attention unless the bf16 attention runs on
+    FlashAttention-4 (faster on the H200, peers_v15_fp8_h200.json); true and false are kept."""
+    monkeypatch.setattr(flash4_attention, "installed", lambda: flash4)
+    cfg = CompileConfig.resolve("prx-1024-fp8")
+    assert cfg.fp8_attention == "auto"
+    assert cfg.lowering().fp8_attention is expected
+    assert cfg.replace(fp8_attention=True).lowering().fp8_attention is True
+    assert cfg.replace(fp8_attention=False).lowering().fp8_attention is False
+    assert CompileConfig.resolve(None).lowering().fp8_attention is False  # bf16: never
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, "AUTO", [True]])
+def test_fp8_attention_takes_true_false_or_auto(value):
+    with pytest.raises(ConfigError, match=r"fp8_attention=.* must be true, false or auto"):
+        CompileConfig.resolve(None, fp8_attention=value)

@@ -78,6 +78,7 @@ def test_the_warm_up_runs_the_attention_op_and_starts_only_for_a_cuda_prx():
     from prx_compile.tools.testing import TINY_PRX, make_prx
 
     warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"))  # no error
+    warm_up.warm_up(4, 16, torch.float32, torch.device("cpu"), gate_width=24)  # with the MLP gate
     assert warm_up.in_background(make_prx(TINY_PRX), fp8=False) is None  # a CPU model: nothing to warm
     assert warm_up.in_background(torch.nn.Linear(2, 2), fp8=False) is None  # no PRX config
 

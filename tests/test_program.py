@@ -14,7 +14,7 @@ from torch.fx.passes.split_module import split_module
 from prx_compile.backends.tensorrt.program import OPS, Program, ProgramError, from_graph_module
 from prx_compile.export import export_prx
 from prx_compile.lowering import LoweringSettings, lower
-from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN
+from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FLASH4
 from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
@@ -89,16 +89,17 @@ def test_json_roundtrip_runs_the_same(program):
     assert torch.equal(run(again, model, engines, consts, kw), run(prog, model, engines, consts, kw))
 
 
-def test_a_program_with_the_one_call_cudnn_attention_round_trips():
-    """``attention_kernel: cudnn`` puts ``prx_attention_cudnn`` between the engines: a Program and
-    its JSON take it, and on a CPU it runs ``prx_attention``'s path (the same numbers as eager)."""
-    model, sp, engines, names = partitioned(
-        "inputs", LoweringSettings(cudnn_attention=True), PRX_ATTENTION_CUDNN
-    )
+@pytest.mark.parametrize("kind", ["cudnn", "flash4"])
+def test_a_program_with_the_one_call_attention_round_trips(kind):
+    """``attention_kernel: cudnn`` / ``flash4`` put ``prx_attention_cudnn`` / ``prx_attention_flash4``
+    between the engines: a Program and its JSON take it, and on a CPU it runs ``prx_attention``'s
+    path (the same numbers as eager)."""
+    op = {"cudnn": PRX_ATTENTION_CUDNN, "flash4": PRX_ATTENTION_FLASH4}[kind]
+    model, sp, engines, names = partitioned("inputs", LoweringSettings(padded_attention=kind), op)
     prog, consts = from_graph_module(
         sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
     )
-    assert prog.torch_ops() == {"prx_compile.prx_attention_cudnn.default": model.config.depth}
+    assert prog.torch_ops() == {f"prx_compile.prx_attention_{kind}.default": model.config.depth}
     again = Program.from_json(
         json.loads(json.dumps(prog.to_json())),
         engines=set(engines),
@@ -174,3 +175,25 @@ def test_the_op_table_is_functional_and_file_free():
         "aten.set_.source_Tensor",
     ):
         assert forbidden not in OPS
+
+
+def test_a_program_with_the_fused_mlp_gate_matches_eager():
+    """``fuse_mlp_gate`` puts one ``gelu_gate`` per block between the engines, on the PRX export (the
+    rule finds PRX's own MLP): a Program and its JSON take it, and on a CPU it is the composition."""
+    from prx_compile.ops import GELU_GATE
+
+    settings = LoweringSettings(gelu_gate=True, padded_attention="cudnn")
+    model, sp, engines, names = partitioned("inputs", settings, GELU_GATE)
+    prog, consts = from_graph_module(
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
+    )
+    ops = prog.torch_ops()
+    assert ops["prx_compile.gelu_gate.default"] == model.config.depth, ops
+    again = Program.from_json(
+        json.loads(json.dumps(prog.to_json())),
+        engines=set(engines),
+        params={n for n, _ in model.named_parameters()},
+        constants=set(consts),
+    )
+    kw = prx_inputs(model, batch=2, masked=3)
+    assert (run(again, model, engines, consts, kw) - eager(model, kw)).abs().max() <= 1e-5

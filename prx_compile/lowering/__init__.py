@@ -7,7 +7,8 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, cudnn_attention, linear):
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, padded_attention, gelu_gate,
+  linear):
   ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
   TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
@@ -26,11 +27,23 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import attention, cudnn_attention, fold, fp8_attention, fp8_mlp, linear, select, shape_ints, unfold
+from . import (
+    attention,
+    fold,
+    fp8_attention,
+    fp8_mlp,
+    gelu_gate,
+    linear,
+    padded_attention,
+    select,
+    shape_ints,
+    unfold,
+)
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_FORMS = ("flash", "tensorrt")
+PADDED_ATTENTION = (None, "flash4", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,10 @@ class LoweringSettings:
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
-    cudnn_attention: run each ``prx_attention`` left as ``prx_attention_cudnn`` (one cuDNN call).
+    padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
+        layout: "flash4" (``prx_attention_flash4``), "cudnn" (``prx_attention_cudnn``) or None.
+    gelu_gate: fuse each MLP gate ``gelu_tanh(linear(x, Wg)) * linear(x, Wu)`` into one
+        ``gelu_gate`` op (a cuDNN GEMM with the activation in its epilogue).
     linears_in_torch: rewrite every ``aten.linear`` into ``prx_compile::linear`` (run by PyTorch).
     """
 
@@ -52,7 +68,8 @@ class LoweringSettings:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_attention: bool = False
-    cudnn_attention: bool = False
+    padded_attention: str | None = None
+    gelu_gate: bool = False
     linears_in_torch: bool = False
 
     def __post_init__(self):
@@ -62,6 +79,13 @@ class LoweringSettings:
             raise ConfigError(
                 f"LoweringSettings.attention={self.attention!r} is not one of {ATTENTION_FORMS}.",
                 "use 'flash' (attention between engines) or 'tensorrt' (one engine).",
+            )
+        if self.padded_attention not in PADDED_ATTENTION:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"LoweringSettings.padded_attention={self.padded_attention!r} is not one of "
+                f"{PADDED_ATTENTION}."
             )
 
 
@@ -89,7 +113,8 @@ register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
 register_rule("fp8_attention")(fp8_attention.rule)
-register_rule("cudnn_attention")(cudnn_attention.rule)
+register_rule("padded_attention")(padded_attention.rule)
+register_rule("gelu_gate")(gelu_gate.rule)
 register_rule("linear")(linear.rule)
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.

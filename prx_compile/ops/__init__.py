@@ -3,6 +3,8 @@
 * ``library``: the ``torch.ops.prx_compile.*`` operators, registered when this package is imported;
 * ``kernels``: their Triton kernels with PyTorch twins (merge, QK norm + RoPE, FP8 quantisation);
 * ``cudnn_attention``: the joint attention as one cuDNN call (cuDNN's frontend, the ``cudnn`` extra);
+* ``flash4_attention``: the same as one FlashAttention-4 call on Hopper (the ``flash4`` extra);
+* ``cudnn_gemm``: the MLP gate as one cuDNN GEMM with GELU * up in its epilogue (the ``cudnn`` extra);
 * ``fp8_attention`` and ``fp8_attention_kernels``: FP8 joint attention (``precision: fp8``).
 """
 
@@ -10,18 +12,22 @@ from .library import (
     FLASH_ATTENTION,
     FP8_GATED_MLP,
     FP8_LINEAR,
+    GELU_GATE,
     JOINT_ATTENTION,
     LINEAR,
     PRX_ATTENTION,
     PRX_ATTENTION_CUDNN,
+    PRX_ATTENTION_FLASH4,
     PRX_ATTENTION_FP8,
     flash_attention,
     fp8_gated_mlp,
     fp8_linear,
+    gelu_gate,
     joint_attention,
     linear,
     prx_attention,
     prx_attention_cudnn,
+    prx_attention_flash4,
     prx_attention_fp8,
     qk_norm_rope_torch,
 )
@@ -30,18 +36,22 @@ __all__ = [
     "FLASH_ATTENTION",
     "FP8_GATED_MLP",
     "FP8_LINEAR",
+    "GELU_GATE",
     "JOINT_ATTENTION",
     "LINEAR",
     "PRX_ATTENTION",
     "PRX_ATTENTION_CUDNN",
+    "PRX_ATTENTION_FLASH4",
     "PRX_ATTENTION_FP8",
     "flash_attention",
     "fp8_gated_mlp",
     "fp8_linear",
+    "gelu_gate",
     "joint_attention",
     "linear",
     "prx_attention",
     "prx_attention_cudnn",
+    "prx_attention_flash4",
     "prx_attention_fp8",
     "qk_norm_rope_torch",
 ]

@@ -9,13 +9,17 @@
 * ``torch.ops.prx_compile.prx_attention_fp8`` — the same with the attention on FP8 tensor cores
   (``precision: fp8``, rule ``lowering.fp8_attention``).
 * ``torch.ops.prx_compile.prx_attention_cudnn`` — the same with the joint attention as one cuDNN
-  call under a key-padding mask (``attention_kernel``, rule ``lowering.cudnn_attention``).
+  call under a key-padding mask (``attention_kernel``, rule ``lowering.padded_attention``).
+* ``torch.ops.prx_compile.prx_attention_flash4`` — the same layout with the joint attention as one
+  FlashAttention-4 call (``attention_kernel: flash4``, rule ``lowering.padded_attention``).
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
   FP8 GEMMs with the quantisations fused (rule ``lowering.fp8_mlp``).
 * ``torch.ops.prx_compile.linear`` — ``F.linear`` run by PyTorch (cuBLAS) between engines (rule
   ``lowering.linear``, in range engine sets: ``CompileConfig.range_linears``).
+* ``torch.ops.prx_compile.gelu_gate`` — PRX's MLP gate ``gelu_tanh(x @ Wg.T) * up`` as one cuDNN GEMM
+  with the activation in its epilogue (rule ``lowering.gelu_gate``, ``CompileConfig.fuse_mlp_gate``).
 
 The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
@@ -261,10 +265,11 @@ def _norm_rope(x, weight, eps, rope, v):
 
 
 def _prx_attention(
-    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8, padded=False
+    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8, padded=None
 ):
     """``prx_attention``'s body; ``fp8`` picks ``_joint_fp8`` for the attention itself, ``padded``
-    the one cuDNN call of ``prx_attention_cudnn`` where it runs."""
+    ("flash4" or "cudnn") the one-call attention of ``prx_attention_flash4`` / ``prx_attention_cudnn``
+    where it runs."""
     d = q_weight.shape[0] if q_weight.dim() == 1 else -1
     _expect(
         heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
@@ -291,9 +296,19 @@ def _prx_attention(
         rope = rope[:, 0]  # (B, L, D/2, 2, 2)
     if text_mask is None:
         text_mask = torch.ones(b, t, dtype=torch.bool, device=img_qkv.device)
-    if padded and _padded_supported(qkv, q_weight, t):
+    attention = _padded_kernel(padded, qkv, q_weight, t) if padded else None
+    if attention is not None:
         out = _padded(
-            qkv, kv, text_mask.bool().contiguous(), rope, q_weight, k_weight, text_k_weight, eps, scale
+            qkv,
+            kv,
+            text_mask.bool().contiguous(),
+            rope,
+            q_weight,
+            k_weight,
+            text_k_weight,
+            eps,
+            scale,
+            attention,
         )
         return out.reshape(b, seq, heads * d)
     q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
@@ -306,24 +321,25 @@ def _prx_attention(
     return out.reshape(b, seq, heads * d)
 
 
-def _padded_supported(qkv: torch.Tensor, q_weight: torch.Tensor, t: int) -> bool:
-    """Where ``prx_attention_cudnn`` runs its one cuDNN call: the frontend loaded, the norm/RoPE
-    kernel's domain, the norm weights in the activations' dtype and at least one text token."""
-    from . import cudnn_attention, kernels
+def _padded_kernel(kind: str, qkv: torch.Tensor, q_weight: torch.Tensor, t: int):
+    """The module (``flash4_attention`` or ``cudnn_attention``) that runs the one-call attention
+    ``kind`` asks for on these inputs, or None (the split path). "flash4" falls back to cuDNN where
+    FlashAttention-4 cannot run. Both need at least one text token, the norm weights in the
+    activations' dtype and the norm/RoPE kernel's domain (it writes their key-padding layout)."""
+    from . import cudnn_attention, flash4_attention, kernels
 
     x = qkv[:, :, 0]
-    return (
-        t > 0
-        and q_weight.dtype == x.dtype
-        and kernels.norm_rope_supported(x)
-        and cudnn_attention.supported(x)
-    )
+    if not (t > 0 and q_weight.dtype == x.dtype and kernels.norm_rope_supported(x)):
+        return None
+    order = (flash4_attention, cudnn_attention) if kind == "flash4" else (cudnn_attention,)
+    return next((m for m in order if m.supported(x)), None)
 
 
-def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale):
+def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale, attention):
     """The norms and RoPE written straight into [image keys; kept text keys; zeros] buffers, then
-    one cuDNN call under the padding mask. qkv: (B, L, 3, H, D), kv: (B, T, 2, H, D), mask (B, T)
-    bool contiguous, rope None or (B, L, D/2, 2, 2). Returns (B, L, H, D)."""
+    one attention call under the padding mask (``attention.padded_attention``). qkv: (B, L, 3, H,
+    D), kv: (B, T, 2, H, D), mask (B, T) bool contiguous, rope None or (B, L, D/2, 2, 2). Returns
+    (B, L, H, D)."""
     from . import cudnn_attention, kernels
 
     b, seq, _, h, d = qkv.shape
@@ -336,7 +352,7 @@ def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale):
     kernels.qk_norm_rope_into(
         kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1], keys, values, seq, mask, lengths, seq
     )
-    return cudnn_attention.padded_attention(q, keys, values, lengths, scale)
+    return attention.padded_attention(q, keys, values, lengths, scale)
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention", mutates_args=())
@@ -430,8 +446,8 @@ def prx_attention_cudnn(
     eps: float,
     scale: float,
 ) -> torch.Tensor:
-    """``prx_attention`` with the joint attention as one cuDNN call (``attention_kernel``, rule
-    ``lowering.cudnn_attention``).
+    """``prx_attention`` with the joint attention as one cuDNN call (``attention_kernel: cudnn``,
+    rule ``lowering.padded_attention``).
 
     Same arguments and result. The norm/RoPE kernels write the keys and values as [image keys;
     the kept text keys, in order; zeros] and cuDNN's frontend runs one attention under a key-padding
@@ -451,11 +467,50 @@ def prx_attention_cudnn(
         eps,
         scale,
         fp8=False,
-        padded=True,
+        padded="cudnn",
     )
 
 
 prx_attention_cudnn.register_fake(_prx_attention_fake)
+
+
+@torch.library.custom_op(f"{_LIB}::prx_attention_flash4", mutates_args=())
+def prx_attention_flash4(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """``prx_attention_cudnn``'s layout with the joint attention as one FlashAttention-4 call
+    (``attention_kernel: flash4``, rule ``lowering.padded_attention``; ``ops.flash4_attention``).
+
+    Same arguments and result, exact. Where FlashAttention-4 cannot run (not installed, not a
+    Hopper GPU, off CUDA) this runs ``prx_attention_cudnn``'s path, itself falling back to
+    ``prx_attention``'s (the named fallbacks).
+    """
+    return _prx_attention(
+        img_qkv,
+        txt_kv,
+        text_mask,
+        rope,
+        q_weight,
+        k_weight,
+        text_k_weight,
+        heads,
+        eps,
+        scale,
+        fp8=False,
+        padded="flash4",
+    )
+
+
+prx_attention_flash4.register_fake(_prx_attention_fake)
 
 
 def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale):
@@ -572,11 +627,39 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op(f"{_LIB}::gelu_gate", mutates_args=())
+def gelu_gate(x: torch.Tensor, gate_weight: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(F.linear(x, gate_weight), approximate="tanh") * up``: (..., K), (N, K), (..., N) -> (..., N).
+
+    On CUDA with cuDNN's frontend, one GEMM whose epilogue applies the GELU to the fp32 accumulator
+    and multiplies by ``up`` (``ops.cudnn_gemm``; the gate is not rounded to the dtype before the
+    GELU, so results differ from the composition by the last bit or so). Elsewhere (a CPU, no
+    frontend) the composition in PyTorch ops: the named fallback.
+    """
+    _expect(x.dim() >= 1 and gate_weight.dim() == 2, "gelu_gate needs x (..., K) and gate_weight (N, K)")
+    n, k = gate_weight.shape
+    _expect(x.shape[-1] == k, f"gelu_gate: x has {x.shape[-1]} features, gate_weight {k}")
+    _expect(tuple(up.shape) == (*x.shape[:-1], n), f"gelu_gate: up has shape {tuple(up.shape)}")
+    from . import cudnn_gemm
+
+    if x.numel() and cudnn_gemm.supported(x, gate_weight) and up.dtype == x.dtype:
+        out = cudnn_gemm.gelu_gate(x.reshape(-1, k).contiguous(), gate_weight, up.reshape(-1, n).contiguous())
+        return out.view(*x.shape[:-1], n)
+    return F.gelu(F.linear(x, gate_weight), approximate="tanh") * up
+
+
+@gelu_gate.register_fake
+def _(x, gate_weight, up):
+    return up.new_empty(up.shape)
+
+
 FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
 JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
 PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
 PRX_ATTENTION_CUDNN = torch.ops.prx_compile.prx_attention_cudnn.default
+PRX_ATTENTION_FLASH4 = torch.ops.prx_compile.prx_attention_flash4.default
 PRX_ATTENTION_FP8 = torch.ops.prx_compile.prx_attention_fp8.default
 FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
 FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default
 LINEAR = torch.ops.prx_compile.linear.default
+GELU_GATE = torch.ops.prx_compile.gelu_gate.default

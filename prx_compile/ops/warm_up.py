@@ -31,11 +31,14 @@ def warm_up(
     device: torch.device,
     fp8: bool = False,
     shape: tuple[int, int, int] = (1, 64, 16),
-    padded: bool = False,
+    padded: str | None = None,
+    gate_width: int | None = None,
 ) -> None:
-    """``prx_attention`` (with ``fp8`` its FP8 variant, with ``padded`` its one-call cuDNN one) with
+    """``prx_attention`` (with ``fp8`` its FP8 variant, with ``padded`` its one-call form on that
+    kernel, "flash4" or "cudnn": FlashAttention-4 compiles its kernel at its first call) with
     ``heads`` heads of ``head_dim``, in ``dtype`` on ``device``, for ``shape`` = (batch, image
-    tokens, text tokens); then a (batch * image tokens, H*D) x (H*D, H*D) GEMM."""
+    tokens, text tokens); then a (batch * image tokens, H*D) x (H*D, H*D) GEMM, and with
+    ``gate_width`` the MLP gate's fused GEMM (``gelu_gate``: its cuDNN plan is built and picked)."""
     g = torch.Generator(device=device).manual_seed(0)
     width = heads * head_dim
     b, seq, t = shape
@@ -49,6 +52,8 @@ def warm_up(
     w = torch.ones(head_dim, dtype=dtype, device=device)
     out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8, padded)
     F.linear(out, rand(width, width))
+    if gate_width:
+        torch.ops.prx_compile.gelu_gate(out, rand(gate_width, width), rand(b, seq, gate_width))
 
 
 def step_shape(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
@@ -63,7 +68,11 @@ def step_shape(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> tupl
 
 
 def in_background(
-    model: torch.nn.Module, fp8: bool, shape: tuple[int, int, int] | None = None, padded: bool = False
+    model: torch.nn.Module,
+    fp8: bool,
+    shape: tuple[int, int, int] | None = None,
+    padded: str | None = None,
+    gelu_gate: bool = False,
 ) -> threading.Thread | None:
     """A started thread that warms up the ops for ``model`` (a PRX transformer on a CUDA device) at
     ``shape`` (``step_shape``; None: tiny inputs), or None where there is nothing to warm (no CUDA, a
@@ -71,6 +80,9 @@ def in_background(
     then holds how long it took."""
     config = getattr(model, "config", None)
     heads, width = getattr(config, "num_heads", None), getattr(config, "hidden_size", None)
+    gates = (
+        [m.weight.shape[0] for n, m in model.named_modules() if n.endswith("gate_proj")] if gelu_gate else []
+    )
     param = next(model.parameters(), None)
     if not isinstance(heads, int) or not isinstance(width, int) or heads <= 0 or width % heads:
         return None
@@ -84,7 +96,16 @@ def in_background(
             with torch.cuda.device(device), torch.no_grad():
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):
-                    warm_up(heads, width // heads, dtype, device, fp8, shape or (1, 64, 16), padded)
+                    warm_up(
+                        heads,
+                        width // heads,
+                        dtype,
+                        device,
+                        fp8,
+                        shape or (1, 64, 16),
+                        padded,
+                        gates[0] if gates else None,
+                    )
                 stream.synchronize()
         except Exception as e:  # the first real step then pays for it, as before
             logger.info("warm-up of the step's ops failed (the first step will set them up): %s", e)

@@ -25,11 +25,12 @@ def pytest_collection_modifyitems(config, items):
 
 def fused_op() -> str:
     """The op ``attention: fused`` runs with the default ``attention_kernel: auto``: the one-call
-    cuDNN attention where cuDNN's frontend is installed, else ``prx_attention``."""
-    from prx_compile.ops import cudnn_attention
+    FlashAttention-4 attention where it is installed, else the cuDNN one where cuDNN's frontend is,
+    else ``prx_attention``."""
+    from prx_compile import CompileConfig
 
-    name = "prx_attention_cudnn" if cudnn_attention.installed() else "prx_attention"
-    return f"prx_compile.{name}.default"
+    kind = CompileConfig.resolve(None).padded_attention()
+    return f"prx_compile.prx_attention{'_' + kind if kind else ''}.default"
 
 
 #: Small enough to build in seconds, wide enough for real attention kernels (head dim 64).

@@ -57,10 +57,14 @@ def test_specialised_set_then_range_set(compiled):
         assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
     rng = max(ct.backends, key=lambda b: b.shapes.volume())
     assert rng.is_built and not rng.shapes.is_static()
-    # range_linears: torch: with weights as inputs, the range set's GEMMs run in cuBLAS
+    # range_linears: torch: with weights as inputs, the range set's GEMMs run in cuBLAS, the MLP
+    # gates' in cuDNN's fused GEMM where its frontend is installed (``fuse_mlp_gate``: one each)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    in_torch = rng.report()["torch_ops"].get("prx_compile.linear.default", 0)
-    assert in_torch == (linears if ct.compile_config.weights == "inputs" else 0), rng.report()["torch_ops"]
+    ops = rng.report()["torch_ops"]
+    in_torch = ops.get("prx_compile.linear.default", 0) + ops.get("prx_compile.gelu_gate.default", 0)
+    assert in_torch == (linears if ct.compile_config.weights == "inputs" else 0), ops
+    gates = ct.compile_config.gelu_gate(rng.shapes)
+    assert ops.get("prx_compile.gelu_gate.default", 0) == (SMALL_PRX["depth"] if gates else 0), ops
 
 
 def test_weights_modes_differ_where_expected(compiled):

@@ -131,7 +131,8 @@ def test_rules_registry_is_ordered_and_documented():
         "select",
         "fp8_mlp",
         "fp8_attention",
-        "cudnn_attention",
+        "padded_attention",
+        "gelu_gate",
         "linear",
     ]
     for rule in RULES.values():

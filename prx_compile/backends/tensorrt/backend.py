@@ -46,10 +46,12 @@ from ...ops import (
     FLASH_ATTENTION,
     FP8_GATED_MLP,
     FP8_LINEAR,
+    GELU_GATE,
     JOINT_ATTENTION,
     LINEAR,
     PRX_ATTENTION,
     PRX_ATTENTION_CUDNN,
+    PRX_ATTENTION_FLASH4,
     PRX_ATTENTION_FP8,
     warm_up,
 )
@@ -95,15 +97,22 @@ class TensorRTBackend(Backend):
             "device": _cuda_device(cfg.device),
         }
         kept = (
-            {PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FP8, JOINT_ATTENTION, FLASH_ATTENTION}
+            {
+                PRX_ATTENTION,
+                PRX_ATTENTION_CUDNN,
+                PRX_ATTENTION_FLASH4,
+                PRX_ATTENTION_FP8,
+                JOINT_ATTENTION,
+                FLASH_ATTENTION,
+            }
             if cfg.attention != "tensorrt"
             else set()
         )
         if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
             kept |= {FP8_LINEAR, FP8_GATED_MLP}
         linears_in_torch = cfg.linears_in_torch(self.shapes)
-        if linears_in_torch:  # a range set's GEMMs: cuBLAS (rule ``linear``)
-            kept.add(LINEAR)
+        if linears_in_torch:  # the GEMMs: cuBLAS (rule ``linear``), the MLP gate's cuDNN (``gelu_gate``)
+            kept |= {LINEAR, GELU_GATE}
         if kept:
             required["torch_executed_ops"] = kept
         optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
@@ -131,7 +140,7 @@ class TensorRTBackend(Backend):
             shape = warm_up.step_shape(self.model, example)
             lowering = cfg.lowering(self.shapes)
             warming = warm_up.in_background(
-                self.model, lowering.fp8_attention, shape, padded=lowering.cudnn_attention
+                self.model, lowering.fp8_attention, shape, lowering.padded_attention, lowering.gelu_gate
             )
         settings = self.settings()
 
