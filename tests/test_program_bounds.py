@@ -68,6 +68,15 @@ def test_forty_integer_squarings_fail_at_once():
         ([("aten.select.int", [X, 0, 99], {})], "IndexError"),
         ([("operator.floordiv", [1, 0], {})], "ZeroDivisionError"),
         ([("aten.add.Tensor", [X, {"dtype": "bool"}], {})], r"failed at v0"),
+        # the 0.15 ops given operands of the wrong shapes: their own checks, one line
+        (
+            [("prx_compile.gelu_gate.default", [X, X, X], {})],
+            r"failed at v0 \(prx_compile\.gelu_gate\.default\).*gate_weight",
+        ),
+        (
+            [("prx_compile.prx_attention_flash4.default", [X, X, None, None, X, X, X, 2, 1e-6, 0.5], {})],
+            r"failed at v0 \(prx_compile\.prx_attention_flash4\.default\)",
+        ),
     ],
 )
 def test_hostile_steps_fail_in_one_line(steps, match):
