@@ -384,3 +384,67 @@ def test_once_every_cuda_graph_is_dropped_the_next_capture_gets_a_new_pool():
     ct._graphs.pop(2)  # a range set dropped with its runner
     ct._drop_graphs([])  # what is left holds no graph
     assert ct._pool is None
+
+
+class _CapturedGraph:
+    """Stands in for a CUDA graph runner holding a graph for the call's inputs: what ``replay``
+    returns, and how often it replayed (``_replay_ahead``'s decisions on a CPU; the real graphs are
+    tests/gpu/test_module_contract_gpu.py's)."""
+
+    def __init__(self):
+        self.out, self.calls, self.graphs = torch.full((1,), 7.0), 0, {}
+
+    def reset(self):
+        self.graphs.clear()
+
+    def replay(self, inputs):
+        if not self.graphs:
+            return None
+        self.calls += 1
+        return self.out
+
+
+@pytest.mark.parametrize("precision", ["dtype", "fp8"])
+def test_a_step_replays_before_the_change_check_only_where_that_is_safe(precision, monkeypatch):
+    """A captured step replays before the transformer is checked; a change found then voids it
+    (``replays_dropped``) and the call follows it; a tensor whose storage moved stops the replay
+    before it starts (the graph would read memory no tensor may hold)."""
+    model = make_prx()
+    ct = compile_prx(
+        model, backend="eager", static=True, precision=precision, fp8_attention=False, **SMALL_RANGE
+    )
+    kw = prx_inputs(model, text=16)
+    inputs = ct._normalise(**kw)
+    runner = _CapturedGraph()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def ahead(follow_first=False):  # _replay_ahead as on a GPU, with the stand-in graph
+        if follow_first:
+            ct(**kw)  # a real call: runs the set and follows whatever changed
+            runner.graphs["inputs"] = "graph"
+            ct._graphs[id(ct.engine_set_for(inputs))] = runner
+        ct._device = torch.device("cuda")
+        try:
+            return ct._replay_ahead(inputs)
+        finally:
+            ct._device = torch.device("cpu")
+
+    assert ahead(follow_first=True) is runner.out and (runner.calls, ct.replays_dropped) == (1, 0)
+    layer = model.blocks[0].attention.to_out[0]
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # read live with weights: inputs; FP8 copies must be requantised first
+    fp8 = precision == "fp8"
+    assert (ahead() is None, runner.calls, ct.replays_dropped) == (fp8, 2, int(fp8))
+    old = model.blocks[1].down_proj
+    model.blocks[1].down_proj = torch.nn.Linear(old.in_features, old.out_features)
+    assert ahead() is None  # replayed on the old layer (the watch holds it), then voided
+    assert (runner.calls, ct.replays_dropped) == (3, 1 + fp8)
+    assert ahead(follow_first=True) is runner.out and runner.calls == 4
+    layer.weight.data = layer.weight.data.clone()  # a new storage: not replayed at all
+    assert ahead() is None and (runner.calls, ct.replays_dropped) == (4, 1 + fp8)
+    ct._ahead = False
+    assert ahead(follow_first=True) is None and runner.calls == 4
+    ct._ahead = True
+    ref = eager(model, kw)
+    got = ct(**kw, return_dict=False)[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=(0.05 if fp8 else 1e-5) * ref.abs().max().item())

@@ -24,6 +24,7 @@ on PYTHONPATH). Parts (each caught on its own; OUT/step_levers.json is rewritten
              + the pointwise kernels.
   sweep      every KERNEL_CFG (0-36) of the four SDPA engines (8-11) on the attention graph, built
              with ``create_execution_plan`` and timed back-to-back (a 200 s budget).
+  flash4_tiles  FlashAttention-4's forward at 15 tile shapes / flags (``step_levers_tiles_h200.json``).
   flash4     FlashAttention-4's Hopper forward (``flash_attn.cute.flash_attn_varlen_func`` with
              ``seqused_k``) on the same padded layout, against the cuDNN plan: import and first-call
              (JIT) seconds, error against exact fp32 attention, ms and TFLOP/s, CUDA-graph replay.
@@ -558,6 +559,94 @@ def flash4_part(cudnn) -> dict:
     return out
 
 
+FLASH4_TILES = [
+    ((192, 128), True, True),  # the package's choice for head dim <= 64 on SM90
+    ((192, 192), True, True),
+    ((192, 160), True, True),
+    ((192, 176), True, True),
+    ((192, 144), True, True),
+    ((192, 112), True, True),
+    ((192, 96), True, True),
+    ((128, 128), True, True),
+    ((128, 160), True, True),
+    ((128, 192), True, True),
+    ((128, 256), True, True),
+    ((192, 128), False, True),
+    ((192, 192), False, True),
+    ((192, 128), True, False),
+    ((128, 128), False, True),
+]
+
+
+def flash4_tiles_part() -> dict:
+    """FlashAttention-4's Hopper forward at other tile shapes (``_flash_attn_fwd``'s ``tile_mn``,
+    ``mma_pv_is_rs``, ``intra_wg_overlap``) on our padded layout at the three shapes: compile
+    seconds, ms (back-to-back average), TFLOP/s, largest difference to the package's default
+    choice; and ``python -X importtime`` of ``flash_attn.cute`` (its 25 slowest imports)."""
+    import time
+
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out: dict = {"configs": {}}
+    inputs = {label: attention_inputs(b, lq, kept, "bshd") for label, (b, lq, kept) in SHAPES.items()}
+    refs = {}
+    for tile, rs, ol in FLASH4_TILES:
+        name = f"{tile[0]}x{tile[1]} rs={int(rs)} ol={int(ol)}"
+        rec: dict = {}
+        out["configs"][name] = rec
+        for label, (q, k, v, seq) in inputs.items():
+            b, lq = q.shape[:2]
+            used = seq[1, :b].contiguous()
+
+            def run(q=q, k=k, v=v, used=used, tile=tile, rs=rs, ol=ol):
+                return _flash_attn_fwd(
+                    q,
+                    k,
+                    v,
+                    seqused_k=used,
+                    softmax_scale=SCALE,
+                    tile_mn=tile,
+                    mma_pv_is_rs=rs,
+                    intra_wg_overlap=ol,
+                )[0]
+
+            try:
+                t0 = time.perf_counter()
+                res = run()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                refs.setdefault(label, res.clone())
+                kept = SHAPES[label][2]
+                flops = 4 * H * D * lq * sum(lq + n for n in kept)
+                timing = events_ms(run)
+                rec[label] = {
+                    "first_call_s": first,
+                    "ms": timing["loop_ms"],
+                    "tflops": flops / timing["loop_ms"] / 1e9,
+                    "max_diff_to_default": float((res.float() - refs[label].float()).abs().max()),
+                }
+            except Exception as e:
+                rec[label] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        print("flash4_tiles", name, json.dumps(rec), flush=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import flash_attn.cute"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = []
+    for line in proc.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), int(parts[0].split(":")[1]), parts[2].rstrip()))
+    rows.sort(reverse=True)
+    out["importtime_top"] = [
+        {"cumulative_s": c / 1e6, "self_s": s / 1e6, "module": m} for c, s, m in rows[:25]
+    ]
+    out["importtime_self_total_s"] = sum(r[1] for r in rows) / 1e6
+    return out
+
+
 def main() -> None:
     if "--gemm-child" in sys.argv:
         print(json.dumps(gemm_part(child=True)))
@@ -583,6 +672,7 @@ def main() -> None:
                 "fused": lambda: fused_part(cudnn),
                 "sweep": lambda: sweep_part(cudnn),
                 "flash4": lambda: flash4_part(cudnn),
+                "flash4_tiles": flash4_tiles_part,
             }[part]()
         except Exception as e:
             res[part] = {

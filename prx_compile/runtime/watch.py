@@ -3,6 +3,7 @@ were built, and (``weights: engine``) which weights changed in place.
 
     watch = ModelWatch(transformer)
     watch.moved()            # cheap, every call: the module tree or a tensor's storage changed
+    watch.in_place()         # its last part alone: every tensor's storage is where it was
     changes(watch.signature, signature(transformer))   # only then: what changed, by name
     watch.changed_weights()  # FQNs whose version counter moved (copy_, load_state_dict)
 
@@ -150,6 +151,16 @@ class ModelWatch:
     def moved(self) -> bool:
         """Whether the module tree or any tensor's storage changed since ``reset``."""
         return self._token() != self.token
+
+    def in_place(self) -> bool:
+        """Whether every recorded tensor still has the storage address it had at ``reset`` (only the
+        last part of ``moved``'s pass): then every address a graph captured since reads is memory a
+        live tensor holds, whatever else changed (``moved`` tells that)."""
+        return tuple(map(torch.Tensor.data_ptr, self._tensors())) == self.token[3]
+
+    def edited(self) -> bool:
+        """Whether a tensor's version counter moved since it was last synced (cheap ``changed_weights``)."""
+        return self._versions() != self.versions
 
     def version_map(self) -> dict[str, int]:
         return dict(zip(self._fqns, self.versions, strict=True))

@@ -75,3 +75,52 @@ def test_a_dtype_change_rebuilds_and_save_pretrained_saves_the_transformer(tmp_p
     ct.save_pretrained(tmp_path / "transformer")
     loaded = PRXTransformer2DModel.from_pretrained(tmp_path / "transformer").to("cuda", torch.float16)
     assert rel_err(eager(loaded.eval(), kw), out) < 2e-2
+
+
+def test_steps_replay_ahead_and_a_change_voids_the_replay():
+    """Repeated calls replay their CUDA graph before the change check (``_follow`` is not reached);
+    an in-place edit is read live (nothing voided); a swapped layer voids the replay, which ran on
+    the old layer, and is followed; a moved storage is never replayed ahead: every output matches
+    eager."""
+    model, ct = compiled("inputs")
+    check(ct, model)
+    follows = []
+    real = ct._follow
+    object.__setattr__(ct, "_follow", lambda: follows.append(1) or real())
+    check(ct, model)
+    check(ct, model)
+    assert (follows, ct.replays_dropped) == ([], 0)
+    layer = model.blocks[0].attention.to_out[0]
+    with torch.no_grad():
+        layer.weight.mul_(1.5)
+    check(ct, model)
+    assert (follows, ct.replays_dropped) == ([], 0)
+    old = model.blocks[1].down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    with torch.no_grad():
+        new.weight.normal_(std=0.05)
+    model.blocks[1].down_proj = new.to("cuda", torch.bfloat16)
+    check(ct, model)
+    assert (len(follows), ct.replays_dropped) == (1, 1)
+    check(ct, model)  # captured again on the new layer: ahead again
+    assert (len(follows), ct.replays_dropped) == (1, 1)
+    layer.weight.data = layer.weight.data * 0.5
+    check(ct, model)
+    assert (len(follows), ct.replays_dropped) == (2, 1)
+    assert ct.builds == 1
+
+
+def test_fp8_in_place_edits_void_the_replay_and_are_requantised():
+    """FP8 copies read by the graph go stale with an in-place edit: the replay ahead is voided, the
+    copies requantised and the step run again."""
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, precision="fp8", static=True, specialize=[[512, 512, 2]], **RANGE)
+    kw = inputs(model)
+    first = ct(**kw, return_dict=False)[0].clone()
+    assert torch.equal(ct(**kw, return_dict=False)[0], first) and ct.replays_dropped == 0
+    with torch.no_grad():
+        for block in model.blocks:
+            block.down_proj.weight.mul_(-1.0)
+    out = ct(**kw, return_dict=False)[0]
+    assert ct.replays_dropped == 1 and rel_err(out, first) > 1e-2
+    assert rel_err(out, eager(model, kw)) < 2e-2  # the same (requantised) fp8 model, eager
