@@ -1,6 +1,6 @@
-"""prx_compile: a Torch-TensorRT compilation backend for diffusers' PRX transformer.
+"""prx_compile: a Torch-TensorRT compilation backend for diffusers' DiT transformers (PRX, FLUX.1).
 
-    pipe.transformer = compile_prx(pipe.transformer)
+    pipe.transformer = compile_transformer(pipe.transformer)   # compile_prx for a PRX transformer
 
 The public API is this module's ``__all__``. The applications built on it (the ``prx-compile``
 command, ``prx_compile.tools.generate.generate_images``, the benchmark harness, the pipeline loader and
@@ -20,10 +20,11 @@ from .errors import (
 )
 from .io.saving import artifact_digest, inspect_artifact, load_compiled, save_compiled
 from .lora import load_lora, set_lora, unload_lora
-from .runtime.module import CompiledTransformer, compile_prx
+from .runtime.module import CompiledTransformer, compile_prx, compile_transformer
 
 __all__ = [
     "__version__",
+    "compile_transformer",
     "compile_prx",
     "CompiledTransformer",
     "CompileConfig",

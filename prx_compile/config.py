@@ -1,8 +1,10 @@
-"""``CompileConfig``: every knob of ``compile_prx`` in one dataclass, with YAML presets.
+"""``CompileConfig``: every knob of ``compile_transformer`` in one dataclass, with YAML presets.
 
 A config is built from keyword arguments, a dict, a YAML file or a preset name from ``configs/``
 (shipped inside the wheel as ``prx_compile/configs``). Unknown keys and bad values raise
-``ConfigError`` naming the key and the allowed values; nothing is silently corrected.
+``ConfigError`` naming the key and the allowed values; nothing is silently corrected. A config is
+what the user asked for: what it means for one model on this machine (the model's default shapes, the
+attention kernels installed) is resolved by ``prx_compile.plan.Plan``. This module imports no stage.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import functools
 import os
 import re
 import stat
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import ConfigError, excerpt, one_line
-from .shapes import ShapeRange
 
 BACKENDS = ("tensorrt", "inductor", "eager")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -30,7 +31,6 @@ PRECISIONS = ("dtype", "fp8")
 ON_SHAPE_MISS = ("build", "split", "error")
 ATTENTION_KERNELS = ("auto", "flash4", "cudnn", "split")
 RANGE_LINEARS = ("torch", "tensorrt")
-BIN_FAMILIES = (256, 512, 1024)
 #: The most ``specialize`` entries (each is an engine set of its own).
 MAX_SPECIALIZE = 256
 #: Torch-TensorRT / MutableTorchTensorRTModule settings and the CompileConfig key that covers each
@@ -66,6 +66,7 @@ ENGINE_KEYS = (
     "share_engines",
     "weights",
     "optimization_level",
+    "model",
 )
 
 _PACKAGED = Path(__file__).resolve().parent / "configs"  # in a wheel
@@ -74,19 +75,13 @@ PRESET_DIR = _PACKAGED if _PACKAGED.is_dir() else _CHECKOUT
 _PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-def _aspect_bins(family: int) -> list[tuple[int, int]]:
-    from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
-
-    return [tuple(v) for v in ASPECT_RATIO_BINS[family].values()]
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
 class CompileConfig:
-    """How ``compile_prx`` builds and runs the transformer.
+    """How ``compile_transformer`` builds and runs the transformer.
 
     backend: "tensorrt" (Torch-TensorRT engines), "inductor" (torch.compile of the lowered graph) or
         "eager" (the lowered graph as is). No silent fallback between them.
@@ -146,9 +141,13 @@ class CompileConfig:
         memory, the largest context's size, instead of one block each (they never run at once).
     batch: [min, max] transformer batch (guidance doubles the prompt batch).
     resolution: the square pixel resolution the range is tuned for, e.g. 1024.
-    aspect_bins: PRX aspect-ratio bin families the range covers, e.g. [512, 1024]; [] = only
-        ``resolution``.
-    text_len: [min, max] text tokens. vae_scale_factor: pixels per latent (8 for PRX's VAE).
+    aspect_bins: the model's aspect-ratio bin families the range covers, e.g. [512, 1024] for PRX;
+        [] = only ``resolution``.
+    text_len: [min, max] text tokens. vae_scale_factor: pixels per latent (8 for PRX's and FLUX's
+        VAEs, 1 for PRXPixel, which has none).
+        These five, left unset (null), take the model's defaults (``ModelSpec.defaults``; PRX: batch
+        [1, 2], 1024 px, bins [1024], text [1, 256], 8; FLUX: batch [1, 1], 1024 px, no bins, text
+        [512, 512], 8; PRXPixel: as PRX with vae_scale_factor 1 and its own bins).
     specialize: serving shapes that get engines of their own, as [height, width, batch] in pixels
         (text length: the maximum). None: ``resolution``² at the largest and smallest batch.
         A call picks the most specific engine set that fits.
@@ -166,6 +165,8 @@ class CompileConfig:
     optimization_level: TensorRT builder level 0..5 (None: Torch-TensorRT's default).
     engine_cache_dir: directory of built engines reused across processes (None: no cache).
     device: where the compiled module runs ("cuda", "cuda:N" or "cpu").
+    model: the model family this config is for ("prx", "flux"; null: any). A preset names its model,
+        so a FLUX preset is refused for a PRX transformer with one line, before any work.
     """
 
     backend: str = "tensorrt"
@@ -184,11 +185,11 @@ class CompileConfig:
     share_engines: bool = True
     build_workers: int = 8
     share_context_memory: bool = True
-    batch: list[int] = field(default_factory=lambda: [1, 2])
-    resolution: int = 1024
-    aspect_bins: list[int] = field(default_factory=lambda: [1024])
-    text_len: list[int] = field(default_factory=lambda: [1, 256])
-    vae_scale_factor: int = 8
+    batch: list[int] | None = None
+    resolution: int | None = None
+    aspect_bins: list[int] | None = None
+    text_len: list[int] | None = None
+    vae_scale_factor: int | None = None
     specialize: list[list[int]] | None = None
     static: bool = False
     auto_specialize: int = 2
@@ -198,6 +199,7 @@ class CompileConfig:
     optimization_level: int | None = None
     engine_cache_dir: str | None = None
     device: str = "cuda"
+    model: str | None = None
 
     def __post_init__(self):
         def choice(key, allowed):
@@ -244,8 +246,14 @@ class CompileConfig:
                 f"{MAX_SPECIALIZE}.",
                 "e.g. auto_specialize: 2 (0: the range set at the first shape specialize does not name)",
             )
+        if self.model is not None and not (
+            isinstance(self.model, str) and _PRESET_NAME.fullmatch(self.model)
+        ):
+            raise ConfigError(f"model={excerpt(self.model)} must be a model name such as 'prx' or 'flux'.")
         for key, top in (("batch", 256), ("text_len", 4096)):  # what an artifact may declare (export)
             v = getattr(self, key)
+            if v is None:
+                continue
             if (
                 not isinstance(v, (list, tuple))
                 or len(v) != 2
@@ -259,27 +267,30 @@ class CompileConfig:
             setattr(self, key, list(v))
         for key in ("resolution", "vae_scale_factor"):
             v = getattr(self, key)
-            if not _is_int(v) or not 0 < v <= 1 << 16:
+            if v is not None and (not _is_int(v) or not 0 < v <= 1 << 16):
                 raise ConfigError(f"{key}={excerpt(v)} must be a positive integer.")
-        if self.resolution % self.vae_scale_factor:
+        if self.resolution is not None and self.vae_scale_factor and self.resolution % self.vae_scale_factor:
             raise ConfigError(
                 f"resolution={self.resolution} is not a multiple of vae_scale_factor={self.vae_scale_factor}."
             )
-        if not isinstance(self.aspect_bins, (list, tuple)) or any(
-            not _is_int(b) or b not in BIN_FAMILIES for b in self.aspect_bins
-        ):
-            raise ConfigError(
-                f"aspect_bins={excerpt(self.aspect_bins)}: each entry must be one of {list(BIN_FAMILIES)}.",
-                "use [] for the square resolution only.",
-            )
-        self.aspect_bins = list(self.aspect_bins)
+        if self.aspect_bins is not None:
+            if (
+                not isinstance(self.aspect_bins, (list, tuple))
+                or len(self.aspect_bins) > 8
+                or any(not _is_int(b) or not 0 < b <= 1 << 16 for b in self.aspect_bins)
+            ):
+                raise ConfigError(
+                    f"aspect_bins={excerpt(self.aspect_bins)} must be a list of bin families, e.g. [1024].",
+                    "use [] for the square resolution only.",
+                )
+            self.aspect_bins = list(self.aspect_bins)
         if self.specialize is not None:
             self.specialize = self._check_specialize(self.specialize)
         if self.static and self.specialize == []:
             raise ConfigError("static=true with specialize=[] leaves no engines to build.")
         for key, rng in (("opt_batch", self.batch), ("opt_text_len", self.text_len)):
             v = getattr(self, key)
-            if v is not None and not (_is_int(v) and rng[0] <= v <= rng[1]):
+            if v is not None and not (_is_int(v) and (rng is None or rng[0] <= v <= rng[1])):
                 raise ConfigError(f"{key}={excerpt(v)} must be an integer in {rng}.")
         if self.optimization_level is not None and (
             not _is_int(self.optimization_level) or self.optimization_level not in range(6)
@@ -312,10 +323,11 @@ class CompileConfig:
                     f"specialize entry {excerpt(s)} must be [height, width, batch] integers.", hint
                 )
             h, w, b = s
-            if h % self.vae_scale_factor or w % self.vae_scale_factor or max(h, w) > 1 << 16 or b > 1 << 16:
+            f = self.vae_scale_factor or 1
+            if h % f or w % f or max(h, w) > 1 << 16 or b > 1 << 16:
                 raise ConfigError(
                     f"specialize entry {excerpt(list(s))}: height and width must be multiples of "
-                    f"vae_scale_factor={self.vae_scale_factor}.",
+                    f"vae_scale_factor={f}.",
                     hint,
                 )
             if [h, w, b] not in out:
@@ -387,7 +399,7 @@ class CompileConfig:
             base = cls.from_dict(config)
         elif isinstance(config, (str, Path)):
             p = Path(config)
-            if p.suffix in (".yaml", ".yml") or p.is_file():
+            if p.suffix in (".yaml", ".yml") or p.is_file() or p.is_dir():
                 base = cls.from_yaml(p)
             else:
                 base = cls.from_yaml(preset_path(str(config)))
@@ -408,73 +420,6 @@ class CompileConfig:
         return CompileConfig.from_dict({**self.to_dict(), **changes}, source="replace")
 
     # -- derived --------------------------------------------------------------------------------
-    def lowering(self, shapes: ShapeRange | None = None):
-        """The ``LoweringSettings`` this config asks for, for TensorRT engines over ``shapes`` (None:
-        for a PyTorch backend, which keeps ``aten.linear`` for its own compiler)."""
-        from .lowering import LoweringSettings
-
-        return LoweringSettings(
-            attention="tensorrt" if self.attention == "tensorrt" else "flash",
-            select_as_slice=self.select_as_slice,
-            fp8_mlp=self.fp8_mlp,
-            fp8_attention=self.fp8_attention_on(),
-            padded_attention=self.padded_attention() if self.attention == "fused" else None,
-            gelu_gate=self.gelu_gate(shapes),
-            linears_in_torch=self.linears_in_torch(shapes),
-        )
-
-    def gelu_gate(self, shapes: ShapeRange | None) -> bool:
-        """Whether engine sets over ``shapes`` run the MLP gate as cuDNN's fused GEMM
-        (``fuse_mlp_gate``): only with their linears in PyTorch, cuDNN's frontend installed and
-        not ``precision: fp8``."""
-        from .ops import cudnn_attention
-
-        return (
-            self.fuse_mlp_gate
-            and self.precision != "fp8"
-            and self.linears_in_torch(shapes)
-            and cudnn_attention.installed()
-        )
-
-    def fp8_attention_on(self) -> bool:
-        """Whether the joint attention runs in FP8 (``precision: fp8`` and ``fp8_attention``; "auto":
-        unless the bf16 attention would run on FlashAttention-4)."""
-        if self.precision != "fp8" or self.attention != "fused":
-            return False
-        if self.fp8_attention == "auto":
-            return self.padded_attention() != "flash4"
-        return self.fp8_attention
-
-    def padded_attention(self) -> str | None:
-        """The one-call attention ``attention_kernel`` asks for: "flash4", "cudnn" or None (the
-        split path). "auto" takes the first whose package is installed; "flash4" or "cudnn"
-        without its package is a ``ConfigError`` that names the extra."""
-        from .ops import cudnn_attention, flash4_attention
-
-        if self.attention_kernel == "split":
-            return None
-        packages = {"flash4": flash4_attention.installed, "cudnn": cudnn_attention.installed}
-        if self.attention_kernel == "auto":
-            return next((kind for kind, installed in packages.items() if installed()), None)
-        if packages[self.attention_kernel]():
-            return self.attention_kernel
-        needs = {
-            "flash4": "FlashAttention-4 (the flash-attn-4 package)",
-            "cudnn": "cuDNN's frontend (the nvidia-cudnn-frontend package)",
-        }[self.attention_kernel]
-        raise ConfigError(
-            f"attention_kernel={self.attention_kernel} needs {needs}.",
-            f"pip install 'prx_compile[{self.attention_kernel}]', or use attention_kernel: split.",
-        )
-
-    def linears_in_torch(self, shapes: ShapeRange | None) -> bool:
-        """Whether TensorRT engines over ``shapes`` leave their linears to PyTorch (``range_linears``
-        for a range set, ``static_linears`` for a static one). The engine cache keys on this per
-        engine set, so each switch changes only the sets it names."""
-        if self.backend != "tensorrt" or shapes is None or self.weights != "inputs":
-            return False
-        return (self.static_linears if shapes.is_static() else self.range_linears) == "torch"
-
     def torch_dtype(self) -> torch.dtype | None:
         return DTYPES[self.dtype] if self.dtype else None
 
@@ -483,44 +428,6 @@ class CompileConfig:
         ``precision: fp8``)."""
         d = self.to_dict()
         return {k: d[k] for k in ENGINE_KEYS if not k.startswith("fp8_") or self.precision == "fp8"}
-
-    def range_shapes(self, patch_size: int = 2) -> ShapeRange:
-        """The whole range (every aspect bin, batch and text length), in latent pixels."""
-        f = self.vae_scale_factor
-        opt = self.resolution // f
-        sizes = [(self.resolution, self.resolution)]
-        for family in self.aspect_bins:
-            sizes += _aspect_bins(family)
-        hs = [h // f for h, _ in sizes]
-        ws = [w // f for _, w in sizes]
-        return ShapeRange(
-            tuple(self.batch),
-            (min(hs), max(hs)),
-            (min(ws), max(ws)),
-            tuple(self.text_len),
-            multiple=patch_size,
-            opt_batch=self.opt_batch,
-            opt_height=opt,
-            opt_width=opt,
-            opt_text=self.opt_text_len,
-        )
-
-    def specialized_shapes(self, patch_size: int = 2) -> list[ShapeRange]:
-        """One static ``ShapeRange`` per ``specialize`` entry (default: resolution² at max and min batch)."""
-        f, r, t = self.vae_scale_factor, self.resolution, self.opt_text_len or self.text_len[1]
-        shapes = self.specialize
-        if shapes is None:
-            shapes = [[r, r, self.opt_batch or self.batch[1]]]
-            if [r, r, self.batch[0]] not in shapes:
-                shapes.append([r, r, self.batch[0]])
-        return [ShapeRange.static(b, h // f, w // f, t, multiple=patch_size) for h, w, b in shapes]
-
-    def shape_sets(self, patch_size: int = 2) -> list[ShapeRange]:
-        """Every engine set this config plans: the specialised shapes first, then the range."""
-        sets = self.specialized_shapes(patch_size)
-        if not self.static:
-            sets.append(self.range_shapes(patch_size))
-        return sets
 
 
 #: The largest YAML config read (a config is a few hundred bytes; this bounds the parser's time).
@@ -572,10 +479,13 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {path} does not exist.") from e
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:  # examined before it is wrapped: a directory opens, but ``fdopen`` would raise on it
+        st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"config file {path} does not exist (it is a directory).")
+            raise ConfigError(
+                f"config file {path} is a directory, not a YAML file.",
+                f"pass a YAML file or a preset name ({', '.join(list_presets())}).",
+            )
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {path} is not a regular file.")
         if st.st_size > MAX_YAML_BYTES:
@@ -583,6 +493,10 @@ def load_yaml(path: Path) -> Any:
                 f"config file {path} is {st.st_size} bytes, more than {MAX_YAML_BYTES}.",
                 "a config is a few lines of YAML; pass the right file.",
             )
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         try:
             raw = f.read(MAX_YAML_BYTES + 1)
         except OSError as e:

@@ -1,16 +1,15 @@
-"""``ShapeRange``: the inclusive shape ranges an engine set accepts (batch, latent height and width, text
-length), its JSON form and the ``torch.export`` dynamic shapes it stands for.
+"""``ShapeRange``: the inclusive shape ranges an engine set accepts (batch, latent height and width or
+image tokens, text length) and its JSON form.
 
-The config (``CompileConfig.shapes``, ``specialize``), export, the backends, the runtime and the artifacts
-all speak in ShapeRanges; this module depends on nothing of theirs.
+The plan, export, the backends, the runtime and the artifacts all speak in ShapeRanges; a model's spec
+says which tensor axes they stand for (``ModelSpec.dynamic_shapes``). This module depends on nothing of
+theirs.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from torch.export import Dim
 
 from . import schema
 from .errors import excerpt
@@ -24,6 +23,8 @@ class ShapeRange:
     height, width: latent size, multiples of ``multiple`` (the patch size).
     text: text tokens.
     opt_*: the point TensorRT tunes for (default: the maxima).
+    tokens: the image axis counts packed image tokens (FLUX): ``height`` is their number, ``width``
+        is 1 and ``multiple`` 1.
     """
 
     batch: tuple[int, int]
@@ -35,21 +36,27 @@ class ShapeRange:
     opt_height: int | None = None
     opt_width: int | None = None
     opt_text: int | None = None
+    tokens: bool = False
 
     @classmethod
-    def static(cls, batch: int, height: int, width: int, text: int, multiple: int = 2) -> ShapeRange:
-        """The range holding one shape (latent height and width)."""
-        return cls((batch, batch), (height, height), (width, width), (text, text), multiple)
+    def static(
+        cls, batch: int, height: int, width: int, text: int, multiple: int = 2, tokens: bool = False
+    ) -> ShapeRange:
+        """The range holding one shape (latent height and width, or image tokens and 1)."""
+        return cls((batch, batch), (height, height), (width, width), (text, text), multiple, tokens=tokens)
 
     def problems(self, batch: int, height: int, width: int, text: int) -> list[str]:
         """Why this shape falls outside the range (empty list when it fits)."""
         out = []
-        for name, v, (lo, hi) in (
-            ("batch", batch, self.batch),
-            ("latent height", height, self.height),
-            ("latent width", width, self.width),
-            ("text length", text, self.text),
-        ):
+        image = (
+            (("image tokens", height, self.height),)
+            if self.tokens
+            else (
+                ("latent height", height, self.height),
+                ("latent width", width, self.width),
+            )
+        )
+        for name, v, (lo, hi) in (("batch", batch, self.batch), *image, ("text length", text, self.text)):
             if not lo <= v <= hi:
                 out.append(f"{name} {v} not in [{lo}, {hi}]")
         for name, v in (("latent height", height), ("latent width", width)):
@@ -71,6 +78,11 @@ class ShapeRange:
         return self.volume() == 1
 
     def describe(self) -> str:
+        if self.tokens:
+            b, img, t = (
+                f"{lo}" if lo == hi else f"{lo}..{hi}" for lo, hi in (self.batch, self.height, self.text)
+            )
+            return f"batch {b}, {img} image tokens, text {t} tokens"
         if self.is_static():
             return (
                 f"batch {self.batch[0]}, latent {self.height[0]}x{self.width[0]}, text {self.text[0]} tokens"
@@ -87,8 +99,10 @@ class ShapeRange:
     @classmethod
     def from_dict(cls, data: Any) -> ShapeRange:
         """Validated inverse of ``to_dict``; ValueError naming the field on bad data."""
+        if isinstance(data, dict) and "tokens" not in data:  # written before FLUX: a latent grid
+            data = {**data, "tokens": False}
         schema.check(_SHAPES, data, "shapes")  # types and bounds; the relations between fields below
-        out: dict[str, Any] = {"multiple": data["multiple"]}
+        out: dict[str, Any] = {"multiple": data["multiple"], "tokens": data["tokens"]}
         m = out["multiple"]
         for key in ("batch", "height", "width", "text"):
             v = data[key]
@@ -97,6 +111,13 @@ class ShapeRange:
             if key in ("height", "width") and (v[0] % m or v[1] % m):
                 raise ValueError(f"shapes.{key}={excerpt(v)} must be multiples of {m}")
             out[key] = tuple(v)
+        if out["tokens"] and (m != 1 or out["width"] != (1, 1) or out["height"][1] > _LIMITS["tokens"]):
+            raise ValueError(
+                "shapes: a token range has multiple 1, width [1, 1] and at most "
+                f"{_LIMITS['tokens']} image tokens"
+            )
+        if not out["tokens"] and max(out["height"][1], out["width"][1]) > _LIMITS["height"]:
+            raise ValueError(f"shapes: latent sizes are at most {_LIMITS['height']}")
         for key in ("opt_batch", "opt_height", "opt_width", "opt_text"):
             v = data[key]
             lo, hi = out[key[4:]]
@@ -113,34 +134,8 @@ class ShapeRange:
         return shapes
 
     def max_tokens(self) -> int:
-        """Tokens of the largest step in the range: batch x (image patches + text)."""
+        """Tokens of the largest step in the range: batch x (image patches or tokens + text)."""
         return self.batch[1] * (self.height[1] * self.width[1] // self.multiple**2 + self.text[1])
-
-    def dynamic_shapes(self) -> dict[str, Any]:
-        """torch.export ``dynamic_shapes`` for the activations (static dims left out)."""
-        m = self.multiple
-
-        def dim(name: str, lo: int, hi: int, mult: int = 1):
-            if lo == hi:
-                return None
-            if mult == 1:
-                return Dim(name, min=lo, max=hi)
-            return mult * Dim(name, min=lo // mult, max=hi // mult)
-
-        b = dim("batch", *self.batch)
-        h = dim("latent_h", *self.height, m)
-        w = dim("latent_w", *self.width, m)
-        t = dim("text_len", *self.text)
-
-        def axes(*pairs):
-            return {i: d for i, d in pairs if d is not None}
-
-        return {
-            "hidden_states": axes((0, b), (2, h), (3, w)),
-            "timestep": axes((0, b)),
-            "encoder_hidden_states": axes((0, b), (1, t)),
-            "attention_mask": axes((0, b), (1, t)),
-        }
 
     def opt_point(self) -> tuple[int, int, int, int]:
         """(batch, height, width, text) TensorRT optimises for."""
@@ -154,7 +149,7 @@ class ShapeRange:
 
 #: the largest shapes an engine set read from disk may declare (latent pixels for height and width):
 #: far beyond PRX's serving sizes, small enough that example inputs cannot take the machine's memory
-_LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096}
+_LIMITS = {"batch": 256, "height": 2048, "width": 2048, "text": 4096, "tokens": 2**18}
 #: the most tokens one step of a set read from disk may have (PRX's default at 1024², batch 2: 8704)
 MAX_TOKENS = 2**20
 
@@ -166,11 +161,14 @@ def _shapes_schema() -> schema.Spec:
     def opt(top: int):
         return schema.OneOf(schema.Null(), schema.Int(1, top))
 
+    # height holds image tokens in a token range: its bound here is the larger one, checked per kind
+    tops = {"batch": 256, "height": _LIMITS["tokens"], "width": 2048, "text": 4096}
     return schema.Dict(
         {
             "multiple": schema.Int(1, 64),
-            **{k: pair(top) for k, top in _LIMITS.items()},
-            **{f"opt_{k}": opt(top) for k, top in _LIMITS.items()},
+            "tokens": schema.Bool(),
+            **{k: pair(top) for k, top in tops.items()},
+            **{f"opt_{k}": opt(top) for k, top in tops.items()},
         }
     )
 

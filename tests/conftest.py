@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from prx_compile.export import example_inputs, export_prx
+from prx_compile.export import example_inputs, export_step
 from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
 
@@ -26,15 +26,33 @@ def _quiet_diffusers():
 
 
 def prx_inputs(model, batch=2, h=16, w=16, text=12, masked=5, seed=0):
-    return example_inputs(model.config, batch, h, w, text, masked_tokens=masked, seed=seed)
+    return example_inputs(model, batch, h, w, text, masked_tokens=masked, seed=seed)
 
 
 @pytest.fixture(scope="session", params=["reshape", "fold"])
 def exported(request):
     """(model, ExportedProgram) for both patchify forms, exported with dynamic shapes."""
     model = make_prx(patchify=request.param)
-    ep, _ = export_prx(model, prx_inputs(model), RANGE)
+    ep, _ = export_step(model, prx_inputs(model), RANGE)
     return model, ep
+
+
+def plan_of(config=None, model=None, **overrides):
+    """The ``Plan`` of ``config`` (anything ``CompileConfig.resolve`` takes) for ``model`` (default: the
+    tiny PRX): what the config means for that model here."""
+    from prx_compile import CompileConfig
+    from prx_compile.plan import Plan
+
+    return Plan.resolve(CompileConfig.resolve(config, **overrides), model if model is not None else _tiny())
+
+
+_TINY = []
+
+
+def _tiny():
+    if not _TINY:
+        _TINY.append(make_prx())
+    return _TINY[0]
 
 
 def eager(model, kw):

@@ -206,11 +206,15 @@ def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypat
     [
         ("prx_compile.model", {"class": "os.system", "config": {}}, "model.class"),
         ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"depth": 10**9}}, "depth"),
-        ("prx_compile.model", {"class": "PRXTransformer2DModel", "config": {"hidden_size": 65}}, "PRX model"),
+        (
+            "prx_compile.model",
+            {"class": "PRXTransformer2DModel", "config": {"hidden_size": 65}},
+            "make a PRXTransformer2DModel",
+        ),
         (
             "prx_compile.model",
             {"class": "PRXTransformer2DModel", "config": {"__class__": 1}},
-            "not a PRX setting",
+            "not a PRXTransformer2DModel setting",
         ),
         (
             "prx_compile.model",
@@ -600,7 +604,7 @@ STEPS = textwrap.dedent("""
 
     def prepare():
         model = make_prx()
-        return model, example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5)
+        return model, example_inputs(model, 2, 16, 16, 16, masked_tokens=5)
 
     def save(model, kw, artifact):  # 1. both write the same artifact
         ct = compile_prx(model, backend="eager", **RNG)

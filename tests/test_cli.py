@@ -191,6 +191,7 @@ def test_generate_from_a_saved_pipeline_folder(tmp_path):
 def test_binning_that_changes_the_size_says_so(capsys):
     """Binning maps the tiny saved pipeline's 32x32 to a 512-px bin: one line names the size used
     (the build itself is left out here: the eager step at 512² on a 1x VAE takes minutes)."""
+    from prx_compile.models import SPECS
     from prx_compile.tools.cli import _warm_up
     from prx_compile.tools.testing import tiny_pipeline
 
@@ -199,6 +200,7 @@ def test_binning_that_changes_the_size_says_so(capsys):
 
     class Transformer:  # records the shapes the engine set is built for
         config, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+        spec, transformer = SPECS["prx"], pipe.transformer
 
         def build(self, kw):
             built.append(tuple(kw["hidden_states"].shape))
@@ -240,7 +242,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
             "neither a YAML file nor a preset",
         ),
         (["build", "--tiny", "--backend", "tensorrt", "--out", "/tmp/x"], "needs a CUDA GPU"),
-        (["bench", "--model", "full"], "needs a CUDA GPU"),
+        (["bench", "--size", "full"], "needs a CUDA GPU"),
     ],
 )
 def test_errors_are_one_line_with_a_hint(args, message):

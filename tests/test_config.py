@@ -6,6 +6,8 @@ import torch
 from prx_compile import CompileConfig, ConfigError
 from prx_compile.config import ENGINE_KEYS, list_presets
 
+from .conftest import plan_of
+
 
 def test_presets_exist_and_load():
     names = list_presets()
@@ -20,12 +22,12 @@ def test_presets_exist_and_load():
     for n in names:
         cfg = CompileConfig.resolve(n)
         assert cfg.dtype == "bf16" and cfg.weights == "inputs" and cfg.attention == "fused"
-        assert cfg.shape_sets()
+        assert plan_of(cfg).shape_sets()
 
 
 def test_default_is_the_1024_preset_without_a_dtype():
     preset = CompileConfig.resolve("prx-1024-bf16")
-    assert CompileConfig().replace(dtype="bf16").shape_sets() == preset.shape_sets()
+    assert plan_of(CompileConfig().replace(dtype="bf16")).shape_sets() == plan_of(preset).shape_sets()
 
 
 @pytest.mark.parametrize(
@@ -34,7 +36,7 @@ def test_default_is_the_1024_preset_without_a_dtype():
 def test_range_covers_every_aspect_bin(preset, families):
     from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
 
-    r = CompileConfig.resolve(preset).range_shapes()
+    r = plan_of(preset).range_shapes()
     for family in families:
         for h, w in ASPECT_RATIO_BINS[family].values():
             assert r.fits(2, h // 8, w // 8, 77) and r.fits(1, h // 8, w // 8, 256)
@@ -42,14 +44,14 @@ def test_range_covers_every_aspect_bin(preset, families):
 
 
 def test_engine_sets_specialised_first_then_the_range():
-    sets = CompileConfig().shape_sets()
+    sets = plan_of().shape_sets()
     assert [s.is_static() for s in sets] == [True, True, False]
     assert sets[0].opt_point() == (2, 128, 128, 256) and sets[1].opt_point() == (1, 128, 128, 256)
-    static = CompileConfig.resolve("prx-1024-bf16-static").shape_sets()
+    static = plan_of("prx-1024-bf16-static").shape_sets()
     assert len(static) == 1 and static[0].opt_point() == (2, 128, 128, 256)
-    bins = CompileConfig.resolve("prx-bins-bf16").shape_sets()
+    bins = plan_of("prx-bins-bf16").shape_sets()
     assert [s.opt_point()[:3] for s in bins[:2]] == [(2, 128, 128), (2, 64, 64)]
-    custom = CompileConfig(specialize=[[832, 1216, 2], [832, 1216, 2]], static=True).shape_sets()
+    custom = plan_of(CompileConfig(specialize=[[832, 1216, 2], [832, 1216, 2]], static=True)).shape_sets()
     assert len(custom) == 1 and custom[0].height == (104, 104) and custom[0].width == (152, 152)
 
 
@@ -62,23 +64,26 @@ def test_engine_sets_specialised_first_then_the_range():
         ({"batch": [2, 1]}, r"batch=\[2, 1\] must be \[min, max\]"),
         ({"batch": [True, 2]}, r"batch=\[True, 2\] must be \[min, max\] integers"),
         ({"text_len": [1, "256"]}, r"text_len="),
-        ({"aspect_bins": [768]}, r"aspect_bins=\[768\].*\[256, 512, 1024\]"),
+        ({"aspect_bins": ["1024"]}, r"aspect_bins=\['1024'\] must be a list of bin families"),
         ({"dtype": "int8"}, r"dtype='int8'.*bf16"),
         ({"optimization_level": 9}, r"optimization_level=9"),
         ({"optimization_level": True}, r"optimization_level=True"),
-        ({"resolution": 1004}, r"resolution=1004 is not a multiple of vae_scale_factor=8"),
+        (
+            {"resolution": 1004, "vae_scale_factor": 8},
+            r"resolution=1004 is not a multiple of vae_scale_factor=8",
+        ),
         ({"resolution": True}, r"resolution=True must be a positive integer"),
         ({"cuda_graphs": "yes"}, r"cuda_graphs='yes' must be true or false"),
         ({"device": "banana"}, r"device='banana' is not a device.*'cuda'"),
         ({"device": "mps"}, r"device='mps' is not a device"),
         ({"device": 3}, r"device=3 is not a device"),
         ({"specialize": [[1024, 1024]]}, r"specialize entry \[1024, 1024\] must be \[height, width, batch\]"),
-        ({"specialize": [[1004, 1024, 2]]}, r"multiples of vae_scale_factor=8"),
+        ({"specialize": [[1004, 1024, 2]], "vae_scale_factor": 8}, r"multiples of vae_scale_factor=8"),
         ({"specialize": "1024"}, r"specialize='1024' must be a list"),
         ({"static": True, "specialize": []}, r"leaves no engines"),
         ({"on_shape_miss": "rebuild"}, r"on_shape_miss='rebuild'.*build.*error"),
         ({"engine_cache_dir": 5}, r"engine_cache_dir=5 must be a directory path"),
-        ({"opt_batch": 3}, r"opt_batch=3 must be an integer in \[1, 2\]"),
+        ({"opt_batch": 3, "batch": [1, 2]}, r"opt_batch=3 must be an integer in \[1, 2\]"),
         ({"range_linears": "cublas"}, r"range_linears='cublas'.*torch.*tensorrt"),
         ({"build_workers": 0}, r"build_workers=0 must be an integer from 1 to 64"),
         ({"build_workers": True}, r"build_workers=True must be an integer"),
@@ -136,8 +141,8 @@ def test_yaml_roundtrip_and_engine_keys(tmp_path):
         assert cfg.engine_settings() == CompileConfig.resolve(p, **runtime).engine_settings()
     assert cfg.engine_settings() != CompileConfig.resolve(p, weights="engine").engine_settings()
     assert (
-        cfg.lowering().attention == "flash"
-        and CompileConfig(attention="tensorrt").lowering().attention == "tensorrt"
+        plan_of(cfg).lowering().attention == "flash"
+        and plan_of(CompileConfig(attention="tensorrt")).lowering().attention == "tensorrt"
     )
 
 
@@ -153,7 +158,8 @@ def test_range_and_static_linears_each_key_the_engine_cache_of_their_sets_only(m
     rng, static = ShapeRange((1, 2), (8, 16), (8, 16), (1, 12)), ShapeRange.static(2, 16, 16, 12)
 
     def key(shapes, **overrides):
-        backend = SimpleNamespace(config=CompileConfig(**overrides), shapes=shapes, model=model)
+        plan = plan_of(CompileConfig(**overrides), model)
+        backend = SimpleNamespace(config=plan.config, plan=plan, shapes=shapes, model=model)
         return cache.cache_key(backend, {})
 
     assert key(rng) != key(rng, range_linears="tensorrt")
@@ -277,3 +283,35 @@ def test_excerpt_is_bounded_in_length_and_time():
     assert all(len(s) <= 80 for s in out)
     assert out[1] == "<16610-bit int>" and out[3] == "{'a': [1, 1, 1, 1, 1, 1, 1, 1, ...]}"
     assert excerpt("fast") == "'fast'" and excerpt([2, 1]) == "[2, 1]"
+
+
+def test_the_model_defaults_fill_what_the_config_leaves_unset_and_bins_are_the_models():
+    from prx_compile.tools.testing import TINY_PIXEL_PRX, make_flux, make_prx
+
+    prx = plan_of().config
+    assert (prx.batch, prx.text_len, prx.resolution, prx.vae_scale_factor, prx.aspect_bins) == (
+        [1, 2],
+        [1, 256],
+        1024,
+        8,
+        [1024],
+    )
+    assert plan_of(batch=[1, 4]).config.batch == [1, 4]  # what the config sets stays
+    pixel = plan_of(model=make_prx(TINY_PIXEL_PRX)).config
+    assert pixel.vae_scale_factor == 1 and pixel.model == "prx"
+    flux = plan_of(model=make_flux()).config
+    assert (flux.batch, flux.text_len, flux.aspect_bins, flux.model) == ([1, 1], [512, 512], [], "flux")
+    with pytest.raises(ConfigError, match=r"aspect_bins: 768 is not a PRX bin family.*\[256, 512, 1024\]"):
+        plan_of(aspect_bins=[768])
+    with pytest.raises(
+        ConfigError, match=r"config is for model 'flux' and the transformer is a PRXTransformer2DModel"
+    ):
+        plan_of(CompileConfig(model="flux"))
+
+
+def test_a_directory_as_config_is_one_line(tmp_path):
+    """0.16 opened the path before checking it was a regular file: a raw IsADirectoryError."""
+    for config in (tmp_path, str(tmp_path), tmp_path / "sub.yaml"):
+        (tmp_path / "sub.yaml").mkdir(exist_ok=True)
+        with pytest.raises(ConfigError, match=r"is a directory, not a YAML file.*prx-1024-bf16"):
+            CompileConfig.resolve(config)

@@ -25,6 +25,8 @@ from prx_compile.ops import (
     library,
 )
 
+from .conftest import plan_of
+
 
 def op_args(b=2, seq=24, t=10, h=2, d=16, seed=1):
     g = torch.Generator().manual_seed(seed)
@@ -52,9 +54,10 @@ def op_args(b=2, seq=24, t=10, h=2, d=16, seed=1):
 def test_attention_kernel_resolves_by_the_packages(monkeypatch, kernel, flash4, cudnn, expected):
     monkeypatch.setattr(flash4_attention, "installed", lambda: flash4)
     monkeypatch.setattr(cudnn_attention, "installed", lambda: cudnn)
-    cfg = CompileConfig.resolve(None, attention_kernel=kernel)
-    assert cfg.lowering().padded_attention == expected
-    assert cfg.replace(attention="flash").lowering().padded_attention is None  # fused attention only
+    assert plan_of(attention_kernel=kernel).lowering().padded_attention == expected
+    assert (
+        plan_of(attention_kernel=kernel, attention="flash").lowering().padded_attention is None
+    )  # fused only
 
 
 @pytest.mark.parametrize(
@@ -70,9 +73,8 @@ def test_attention_kernel_resolves_by_the_packages(monkeypatch, kernel, flash4, 
 def test_a_kernel_without_its_package_is_a_config_error(monkeypatch, kernel, message):
     monkeypatch.setattr(cudnn_attention, "installed", lambda: False)
     monkeypatch.setattr(flash4_attention, "installed", lambda: False)
-    cfg = CompileConfig.resolve(None, attention_kernel=kernel)
     with pytest.raises(ConfigError, match=message):
-        cfg.lowering()
+        plan_of(attention_kernel=kernel)
 
 
 def test_lowering_settings_take_only_the_known_kernels():
@@ -211,10 +213,10 @@ def test_fp8_attention_auto_gives_way_to_flash_attention_4(monkeypatch, flash4, 
     monkeypatch.setattr(flash4_attention, "installed", lambda: flash4)
     cfg = CompileConfig.resolve("prx-1024-fp8")
     assert cfg.fp8_attention == "auto"
-    assert cfg.lowering().fp8_attention is expected
-    assert cfg.replace(fp8_attention=True).lowering().fp8_attention is True
-    assert cfg.replace(fp8_attention=False).lowering().fp8_attention is False
-    assert CompileConfig.resolve(None).lowering().fp8_attention is False  # bf16: never
+    assert plan_of(cfg).lowering().fp8_attention is expected
+    assert plan_of(cfg, fp8_attention=True).lowering().fp8_attention is True
+    assert plan_of(cfg, fp8_attention=False).lowering().fp8_attention is False
+    assert plan_of().lowering().fp8_attention is False  # bf16: never
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None, "AUTO", [True]])

@@ -6,11 +6,14 @@ import logging
 import pytest
 import torch
 
-from prx_compile.export import export_prx, weight_tensors
+from prx_compile.export import export_step, weight_tensors
 from prx_compile.export.repeat import BOUNDARY, why_not
+from prx_compile.models import SPECS
 from prx_compile.tools.testing import make_prx
 
 from .conftest import RANGE, eager, prx_inputs
+
+PRX = SPECS["prx"]
 
 
 def _source(node):
@@ -81,10 +84,10 @@ def test_one_block_traced_and_copied_is_the_full_export_node_for_node(three_bloc
     monkeypatch.setattr(repeat, "repeat_blocks", lambda *a: copied.append(original(*a)) or copied[-1])
     model = three_blocks
     kw = prx_inputs(model)
-    full, full_names = export_prx(
+    full, full_names = export_step(
         model, kw, shapes, weights="inputs", fuse_attention=True, trace_blocks_once=False
     )
-    once, names = export_prx(model, kw, shapes, weights="inputs", fuse_attention=True)
+    once, names = export_step(model, kw, shapes, weights="inputs", fuse_attention=True)
     assert len(copied) == 1 and copied[0] is once  # the one-block path, not a full export
     assert names == full_names == list(weight_tensors(model))
     assert _structure(once) == _structure(full)
@@ -100,7 +103,7 @@ def test_each_copy_reads_its_own_blocks_weights(three_blocks):
     """Changing block 2's weights changes the copied graph's output exactly as it changes eager's."""
     model = three_blocks
     kw = prx_inputs(model)
-    once, names = export_prx(model, kw, RANGE, weights="inputs", fuse_attention=True)
+    once, names = export_step(model, kw, RANGE, weights="inputs", fuse_attention=True)
     tensors = dict(weight_tensors(model))
     key = "blocks.2.down_proj.weight"
     assert key in tensors
@@ -119,14 +122,14 @@ def test_each_copy_reads_its_own_blocks_weights(three_blocks):
 
 def test_where_the_blocks_cannot_be_copied_every_block_is_traced(three_blocks, caplog):
     model = three_blocks
-    assert why_not(model, "inputs") is None
-    assert "weights='engine'" in why_not(model, "engine")
-    assert "two or more" in why_not(make_prx({**_tiny(), "depth": 1}), "inputs")
+    assert why_not(model, PRX, "inputs") is None
+    assert "weights='engine'" in why_not(model, PRX, "engine")
+    assert "two or more" in why_not(make_prx({**_tiny(), "depth": 1}), PRX, "inputs")
     odd = make_prx({**_tiny(), "depth": 2})
     odd.blocks[1].down_proj = torch.nn.Linear(odd.blocks[1].down_proj.in_features, odd.config.hidden_size)
-    assert "differ" in why_not(odd, "inputs")
+    assert "differ" in why_not(odd, PRX, "inputs")
     with caplog.at_level(logging.DEBUG, logger="prx_compile.export.step"):
-        ep, names = export_prx(odd, prx_inputs(odd), weights="inputs")
+        ep, names = export_step(odd, prx_inputs(odd), weights="inputs")
     assert "tracing every block" in caplog.text
     assert names == list(weight_tensors(odd))
     with torch.no_grad():
@@ -137,7 +140,7 @@ def test_where_the_blocks_cannot_be_copied_every_block_is_traced(three_blocks, c
 def test_the_model_is_not_changed_by_the_one_block_export(three_blocks):
     model = three_blocks
     before = [id(b) for b in model.blocks]
-    export_prx(model, prx_inputs(model), weights="inputs")
+    export_step(model, prx_inputs(model), weights="inputs")
     assert [id(b) for b in model.blocks] == before and type(model.blocks) is torch.nn.ModuleList
 
 
@@ -160,8 +163,8 @@ def test_lowered_and_decomposed_before_the_copy_is_what_it_is_after(three_blocks
         lower(ep.graph_module, LoweringSettings(linears_in_torch=shapes is not None))
         return ep.run_decompositions(torch.export.default_decompositions())
 
-    once, names = export_prx(model, kw, shapes, weights="inputs", fuse_attention=True, prepare=prepare)
-    full, full_names = export_prx(
+    once, names = export_step(model, kw, shapes, weights="inputs", fuse_attention=True, prepare=prepare)
+    full, full_names = export_step(
         model, kw, shapes, weights="inputs", fuse_attention=True, trace_blocks_once=False, prepare=prepare
     )
     assert seen == [2, 0]  # one marked block, then the full model

@@ -8,12 +8,15 @@ import torch
 
 from prx_compile import CompileConfig, ConfigError, compile_prx, load_compiled, save_compiled
 from prx_compile.lora import load_lora, make_random_lora, set_lora, unload_lora
+from prx_compile.models import SPECS
 from prx_compile.ops.kernels import row_quant_fp8_torch
 from prx_compile.quant import fp8
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
 
 from .conftest import eager, prx_inputs
+
+PRX = SPECS["prx"]
 
 RANGE = dict(batch=[1, 2], text_len=[1, 16], resolution=16, aspect_bins=[], vae_scale_factor=1)
 
@@ -100,8 +103,8 @@ def test_install_swaps_the_block_linears_in_place_and_keeps_the_weights():
     model = make_prx()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     weight = model.blocks[0].gate_proj.weight
-    assert fp8.install(model) == 6 * len(model.blocks)
-    assert fp8.install(model) == 6 * len(model.blocks)  # idempotent
+    assert fp8.install(model, PRX.fp8_targets) == 6 * len(model.blocks)
+    assert fp8.install(model, PRX.fp8_targets) == 6 * len(model.blocks)  # idempotent
     assert isinstance(model.blocks[0].attention.to_out[0], fp8.FP8Linear)
     for kept in (model.img_in, model.blocks[0].modulation.lin, model.final_layer.linear):
         assert not isinstance(kept, fp8.FP8Linear)
@@ -154,7 +157,7 @@ def test_lora_requantises_and_switches_exactly():
     # the same LoRA merged into a fresh model, quantised afterwards: the same numbers
     ref = make_prx()
     load_lora(ref, a, "a")
-    fp8.install(ref)
+    fp8.install(ref, PRX.fp8_targets)
     torch.testing.assert_close(out_a, eager(ref, kw), rtol=0, atol=1e-5)
     assert (out_a - out0).abs().max() > 1e-3
     load_lora(ct, b, "b")
@@ -168,7 +171,7 @@ def test_lora_requantises_and_switches_exactly():
 
 def test_lora_on_an_fp8_model_without_compiling():
     model = make_prx()
-    fp8.install(model)
+    fp8.install(model, PRX.fp8_targets)
     kw = prx_inputs(model, h=16, w=16)
     out0 = eager(model, kw)
     load_lora(model, make_random_lora(model, 4, seed=3, std=0.1), "a")
@@ -235,7 +238,7 @@ def test_weights_edited_in_place_are_requantised_at_the_next_call():
     ct(**kw, return_dict=False)
     other = make_prx(seed=5)
     model.load_state_dict(other.state_dict())  # in place, outside load_lora
-    fp8.install(other)
+    fp8.install(other, PRX.fp8_targets)
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(other, kw), rtol=0, atol=1e-5)
     with torch.no_grad():  # once more, one weight: the version counters seen last time moved again
         name = next(n for n, m in model.named_modules() if isinstance(m, fp8.FP8Linear))

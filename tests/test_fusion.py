@@ -11,8 +11,8 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_prx import apply_rope
 
 from prx_compile import compile_prx
-from prx_compile.export import example_inputs, export_prx
-from prx_compile.export.fusion import FusedPRXAttnProcessor, fused_attention_processors
+from prx_compile.export import example_inputs, export_step
+from prx_compile.models.prx import FusedPRXAttnProcessor, fused_attention_processors
 from prx_compile.ops import PRX_ATTENTION, qk_norm_rope_torch
 from prx_compile.tools.bench import max_abs_err, rel_err
 from prx_compile.tools.testing import make_prx
@@ -90,8 +90,8 @@ def test_triton_norm_rope_kernel_in_the_interpreter():
 
 def test_export_has_one_prx_attention_per_block_and_no_sdpa():
     model = make_prx()
-    kw = example_inputs(model.config, 2, 16, 16, 12, masked_tokens=5)
-    gm = export_prx(model, kw, fuse_attention=True)[0].module()
+    kw = example_inputs(model, 2, 16, 16, 12, masked_tokens=5)
+    gm = export_step(model, kw, fuse_attention=True)[0].module()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(PRX_ATTENTION) == model.config.depth
     assert not any("scaled_dot_product" in str(t) for t in targets)
@@ -100,7 +100,7 @@ def test_export_has_one_prx_attention_per_block_and_no_sdpa():
 @pytest.mark.parametrize("masked", [0, 5, 12])  # text tokens hidden in row 1: none, some, all
 def test_compiled_fused_matches_eager_fp32(masked):
     model = make_prx()
-    kw = example_inputs(model.config, 2, 16, 16, 12, masked_tokens=masked, seed=masked)
+    kw = example_inputs(model, 2, 16, 16, 12, masked_tokens=masked, seed=masked)
     with torch.no_grad():
         ref = model(**kw, return_dict=False)[0]
     ct = compile_prx(model, backend="eager", **RANGE)
@@ -113,7 +113,7 @@ def test_compiled_fused_matches_eager_fp32(masked):
 
 def test_fused_switch_off_uses_the_lowering_rule():
     model = make_prx()
-    kw = example_inputs(model.config, 1, 16, 16, 7)
+    kw = example_inputs(model, 1, 16, 16, 7)
     ct = compile_prx(model, backend="eager", attention="flash", **RANGE)
     out = ct(**kw, return_dict=False)[0]
     assert set(ct.report()["torch_ops"]) == {"prx_compile.joint_attention.default"}

@@ -8,6 +8,7 @@ files, and must find that violation."""
 import ast
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,10 +122,12 @@ def library_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles({m: {t for t in targets if t in lib} for m, targets in lib.items()})
 
 
-#: the modules at the top of prx_compile/: the entry points and what every stage may use
-CORE = ("__init__", "__main__", "_version", "config", "errors", "schema", "progress", "shapes")
-#: the stage folders, in the order a denoising step's data flows through them; the tools apart
-STAGES = ("export", "lowering", "ops", "quant", "backends", "runtime", "lora", "io", "tools")
+#: the modules at the top of prx_compile/: the entry points, what every stage may use, and the plan
+#: (the config resolved for one model and this machine, which the backends and the runtime read)
+CORE = ("__init__", "__main__", "_version", "config", "errors", "schema", "progress", "shapes", "plan")
+#: the model specs, then the stage folders in the order a denoising step's data flows through them;
+#: the tools apart
+STAGES = ("models", "export", "lowering", "ops", "quant", "backends", "runtime", "lora", "io", "tools")
 
 
 def misplaced(graph: dict[str, set[str]]) -> list[str]:
@@ -307,3 +310,100 @@ def test_the_wheel_ships_the_presets_and_the_command(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.strip()) == len(list((ROOT / "configs").glob("*.yaml")))
+
+
+# -- one model's knowledge in one folder -------------------------------------------------------------
+#: a few leaf names of the models' modules are ordinary words the library uses for its own things
+GENERIC = {
+    "attention",
+    "blocks",
+    "linear",
+    "norm",
+    "proj",
+    "act",
+    "net",
+    "ff",
+    "attn",
+    "lin",
+    "silu",
+    "depth",
+}
+
+
+@functools.cache
+def model_names() -> frozenset[str]:
+    """What names a model: every spec's class, the classes of its modules and processors (those of
+    diffusers' transformer files), its modules' leaf names (the tiny model's) and its config keys."""
+    from prx_compile.models import SPECS
+    from prx_compile.tools.testing import make_model
+
+    names: set[str] = set()
+    for spec in SPECS.values():
+        model = make_model(spec.name)
+        names.add(spec.class_name)
+        for name, module in model.named_modules():
+            cls = type(module)
+            if cls.__module__.startswith("diffusers.models.transformers"):
+                names.add(cls.__name__)
+            processor = getattr(module, "processor", None)
+            if processor is not None:
+                names.add(type(processor).__name__)
+            leaf = name.rpartition(".")[2]
+            if leaf and not leaf.isdigit() and leaf not in GENERIC:
+                names.add(leaf)
+        names |= {k for k in model.config if not k.startswith("_") and k not in GENERIC}
+    return frozenset(names)
+
+
+def names_a_model(path: Path) -> list[str]:
+    """The model names (``model_names``) ``path`` uses in code: identifiers, attributes, string
+    constants (split at dots) and keyword arguments; docstrings and comments may speak of models."""
+    tree = _parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    forbidden = model_names()
+    for node in ast.walk(tree):
+        words: list[str] = []
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.keyword) and node.arg:
+            words = [node.arg]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = re.split(r"[^A-Za-z0-9_]+", node.value)
+        found += [f"{path.name}:{getattr(node, 'lineno', '?')}: {w}" for w in words if w in forbidden]
+    return found
+
+
+def library_files(root: Path = ROOT) -> list[Path]:
+    """The library's files outside models/ (the tools are applications over the specs)."""
+    pkg = root / "prx_compile"
+    return [f for f in sorted(pkg.rglob("*.py")) if f.relative_to(pkg).parts[0] not in ("models", "tools")]
+
+
+def test_no_library_file_outside_models_names_a_model_or_its_layers(tmp_path):
+    assert {
+        "PRXTransformer2DModel",
+        "FluxTransformer2DModel",
+        "img_qkv_proj",
+        "single_transformer_blocks",
+        "context_in_dim",
+        "PRXAttnProcessor2_0",
+    } <= model_names()
+    found = [hit for f in library_files() for hit in names_a_model(f)]
+    assert found == [], found
+    planted = tmp_path / "prx_compile" / "runtime" / "helper.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(
+        '"""Names PRXBlock in a docstring: fine."""\nLAYER = "blocks.0.gate_proj"\n'
+        "def f(m):\n    return m.config.patch_size\n"
+    )
+    assert [h.split(": ")[1] for h in names_a_model(planted)] == ["gate_proj", "patch_size"]

@@ -104,7 +104,7 @@ def test_new_shapes_in_the_range_get_static_sets_until_auto_specialize_then_the_
         kw = prx_inputs(model, **shape, masked=2)
         torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
 
-    with caplog.at_level("INFO", logger="prx_compile.runtime.module"):
+    with caplog.at_level("INFO", logger="prx_compile.runtime"):
         run(batch=2, h=20, w=12, text=16)
         run(batch=4, h=20, w=12, text=16)  # split 2 + 2 onto the set just made: no new set
         run(batch=1, h=12, w=20, text=9)
@@ -165,7 +165,7 @@ def test_a_batch_no_set_takes_whole_runs_in_chunks_the_sets_take(caplog, monkeyp
     monkeypatch.setattr(
         kind, "__call__", lambda be, **k: seen.append(k["hidden_states"].shape[0]) or call(be, **k)
     )
-    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
+    with caplog.at_level("WARNING", logger="prx_compile.runtime"):
         out = ct(**kw, return_dict=False)[0]  # builds the two static sets (b2, b1) on the way
         seen.clear()
         again = ct(**kw, return_dict=False)[0]
@@ -191,7 +191,7 @@ def test_a_batch_miss_gets_a_set_of_its_own_with_build_or_where_no_split_exists(
     assert ct.compile_config.on_shape_miss == mode
     kw = prx_inputs(model, batch=3, h=16, w=16, text=16)
     if mode == "split":
-        assert ct._chunks(kw) is None  # 2 is taken, the 1 left is not
+        assert ct.sets.chunks(kw) is None  # 2 is taken, the 1 left is not
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(model, kw), rtol=0, atol=1e-5)
     assert ct.backends[-1].shapes.describe() == "batch 3, latent 16x16, text 16 tokens"
 
@@ -200,7 +200,7 @@ def test_on_shape_miss_build_adds_an_engine_set(caplog):
     model = make_prx()
     ct = compile_prx(model, backend="eager", on_shape_miss="build", **SMALL_RANGE)
     kw = prx_inputs(model, batch=3, h=20, w=12)
-    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
+    with caplog.at_level("WARNING", logger="prx_compile.runtime"):
         out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
     assert ct.builds == 1 and ct.backends[-1].shapes.describe() == "batch 3, latent 20x12, text 12 tokens"
@@ -373,17 +373,17 @@ def test_once_every_cuda_graph_is_dropped_the_next_capture_gets_a_new_pool():
     ct = compile_prx(make_prx(), backend="eager", static=True, **SMALL_RANGE)
     a, b = CUDAGraphRunner(lambda: None, pool="p0"), CUDAGraphRunner(lambda: None, pool="p0")
     a.graphs["k"], b.graphs["k"] = "graph a", "graph b"
-    ct._graphs, ct._pool = {1: a, 2: b}, "p0"
-    ct._drop_graphs([a])
-    assert (a.graphs, b.graphs, ct._pool) == ({}, {"k": "graph b"}, "p0")  # b shares the pool still
-    ct._drop_graphs()
-    assert (b.graphs, ct._pool) == ({}, None)
-    b.graphs["k"], ct._pool = "graph b", "p1"
-    ct._drop_graphs([])
-    assert ct._pool == "p1"  # b's graph is still in it
-    ct._graphs.pop(2)  # a range set dropped with its runner
-    ct._drop_graphs([])  # what is left holds no graph
-    assert ct._pool is None
+    ct.sets.graphs, ct.sets.pool = {1: a, 2: b}, "p0"
+    ct.sets.drop_graphs([a])
+    assert (a.graphs, b.graphs, ct.sets.pool) == ({}, {"k": "graph b"}, "p0")  # b shares the pool still
+    ct.sets.drop_graphs()
+    assert (b.graphs, ct.sets.pool) == ({}, None)
+    b.graphs["k"], ct.sets.pool = "graph b", "p1"
+    ct.sets.drop_graphs([])
+    assert ct.sets.pool == "p1"  # b's graph is still in it
+    ct.sets.graphs.pop(2)  # a range set dropped with its runner
+    ct.sets.drop_graphs([])  # what is left holds no graph
+    assert ct.sets.pool is None
 
 
 class _CapturedGraph:
@@ -414,7 +414,7 @@ def test_a_step_replays_before_the_change_check_only_where_that_is_safe(precisio
         model, backend="eager", static=True, precision=precision, fp8_attention=False, **SMALL_RANGE
     )
     kw = prx_inputs(model, text=16)
-    inputs = ct._normalise(**kw)
+    inputs = ct._inputs((), kw)
     runner = _CapturedGraph()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
@@ -422,12 +422,12 @@ def test_a_step_replays_before_the_change_check_only_where_that_is_safe(precisio
         if follow_first:
             ct(**kw)  # a real call: runs the set and follows whatever changed
             runner.graphs["inputs"] = "graph"
-            ct._graphs[id(ct.engine_set_for(inputs))] = runner
-        ct._device = torch.device("cuda")
+            ct.sets.graphs[id(ct.engine_set_for(inputs))] = runner
+        ct.sets.device = torch.device("cuda")
         try:
             return ct._replay_ahead(inputs)
         finally:
-            ct._device = torch.device("cpu")
+            ct.sets.device = torch.device("cpu")
 
     assert ahead(follow_first=True) is runner.out and (runner.calls, ct.replays_dropped) == (1, 0)
     layer = model.blocks[0].attention.to_out[0]

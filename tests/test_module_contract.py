@@ -167,7 +167,7 @@ def test_an_edit_the_engines_cannot_refit_rebuilds_them(monkeypatch, caplog):
     step(ct, model)
     with torch.no_grad():
         model.final_layer.linear.weight.mul_(2.0)
-    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime.module"):
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         close(*step(ct, model))
     assert ct.builds == 2
     assert "the engines cannot refit changed" in " ".join(r.message for r in caplog.records)
@@ -200,7 +200,7 @@ def test_new_shapes_or_module_types_rebuild_with_a_warning(caplog):
 
     twice = Doubled(old.in_features, old.out_features)
     twice.load_state_dict(old.state_dict())
-    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime.module"):
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         ct.final_layer.linear = twice  # through the compiled module: lands on the transformer
         close(*step(ct, model))
     assert model.final_layer.linear is twice and ct.builds == 2
@@ -213,7 +213,7 @@ def test_new_shapes_or_module_types_rebuild_with_a_warning(caplog):
     block.gate_proj = torch.nn.Linear(width, hidden, bias=False)
     block.up_proj = torch.nn.Linear(width, hidden, bias=False)
     block.down_proj = torch.nn.Linear(hidden, width, bias=False)
-    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime.module"):
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         close(*step(ct, model))
     assert "blocks.0.gate_proj.weight" in " ".join(r.message for r in caplog.records)
     assert ct.builds == 3
@@ -223,7 +223,7 @@ def test_dtype_changes_are_never_a_silent_no_op(caplog):
     model = make_prx()
     ct = compiled(model)
     step(ct, model)
-    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime.module"):
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         assert ct.double() is ct
         assert ct.dtype == torch.float64 and next(model.parameters()).dtype == torch.float64
         inputs = {

@@ -74,16 +74,23 @@ def test_ops_are_exportable_and_keep_their_names():
 
 
 def test_the_warm_up_runs_the_attention_op_and_starts_only_for_a_cuda_prx():
+    from prx_compile.lowering import LoweringSettings
+    from prx_compile.models import SPECS
     from prx_compile.ops import warm_up
     from prx_compile.tools.testing import TINY_PRX, make_prx
 
     warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"))  # no error
     warm_up.warm_up(4, 16, torch.float32, torch.device("cpu"), gate_width=24)  # with the MLP gate
-    assert warm_up.in_background(make_prx(TINY_PRX), fp8=False) is None  # a CPU model: nothing to warm
-    assert warm_up.in_background(torch.nn.Linear(2, 2), fp8=False) is None  # no PRX config
+    model = make_prx(TINY_PRX)
+    spec = SPECS["prx"]
+    example = spec.example_inputs(model, 1, 4, 4, 3)
+    assert (
+        warm_up.in_background(model, spec, example, LoweringSettings()) is None
+    )  # a CPU model: nothing to warm
 
 
 def test_the_warm_up_takes_the_sets_own_step_shape():
+    from prx_compile.models import SPECS
     from prx_compile.ops import warm_up
     from prx_compile.tools.testing import TINY_PRX, make_prx
 
@@ -93,7 +100,6 @@ def test_the_warm_up_takes_the_sets_own_step_shape():
         "hidden_states": torch.zeros(3, c, 6 * p, 4 * p),
         "encoder_hidden_states": torch.zeros(3, 7, model.config.context_in_dim),
     }
-    assert warm_up.step_shape(model, example) == (3, 24, 7)  # batch, image tokens, text tokens
-    assert warm_up.step_shape(torch.nn.Linear(2, 2), example) is None
-    assert warm_up.step_shape(model, {"hidden_states": example["hidden_states"]}) is None
+    assert SPECS["prx"].step_tokens(model, example) == (3, 24, 7)  # batch, image tokens, text tokens
     warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"), shape=(3, 24, 7))
+    warm_up.warm_up(4, 16, torch.float32, torch.device("cpu"), shape=(3, 24, 7), dense="cudnn")  # FLUX's

@@ -12,8 +12,9 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from prx_compile.backends.tensorrt.program import OPS, Program, ProgramError, from_graph_module
-from prx_compile.export import export_prx
+from prx_compile.export import export_step
 from prx_compile.lowering import LoweringSettings, lower
+from prx_compile.models.prx import INPUTS
 from prx_compile.ops import PRX_ATTENTION, PRX_ATTENTION_CUDNN, PRX_ATTENTION_FLASH4
 from prx_compile.shapes import ShapeRange
 from prx_compile.tools.testing import make_prx
@@ -27,7 +28,7 @@ def partitioned(weights, settings=None, op=PRX_ATTENTION):
     """(model, split GraphModule, the 'engine' children, weight names): attention ops (``op``) between
     pieces."""
     model = make_prx()
-    ep, names = export_prx(model, prx_inputs(model), RANGE, weights=weights, fuse_attention=True)
+    ep, names = export_step(model, prx_inputs(model), RANGE, weights=weights, fuse_attention=True)
     lower(ep.graph_module, settings or LoweringSettings())
     gm = ep.module()
     part = {"i": 0}
@@ -51,7 +52,7 @@ def partitioned(weights, settings=None, op=PRX_ATTENTION):
 def program(request):
     model, sp, engines, names = partitioned(request.param)
     prog, consts = from_graph_module(
-        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters()), inputs=INPUTS
     )
     return model, prog, consts, engines
 
@@ -83,7 +84,11 @@ def test_json_roundtrip_runs_the_same(program):
     model, prog, consts, engines = program
     data = json.loads(json.dumps(prog.to_json()))
     again = Program.from_json(
-        data, engines=set(engines), params={n for n, _ in model.named_parameters()}, constants=set(consts)
+        data,
+        engines=set(engines),
+        params={n for n, _ in model.named_parameters()},
+        constants=set(consts),
+        inputs=INPUTS,
     )
     kw = prx_inputs(model)
     assert torch.equal(run(again, model, engines, consts, kw), run(prog, model, engines, consts, kw))
@@ -104,13 +109,14 @@ def round_trip_against_eager(settings, op):
     copy against eager (masked text, batch 2; 1e-5). Returns the Program's PyTorch ops."""
     model, sp, engines, names = partitioned("inputs", settings, op)
     prog, consts = from_graph_module(
-        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters())
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters()), inputs=INPUTS
     )
     again = Program.from_json(
         json.loads(json.dumps(prog.to_json())),
         engines=set(engines),
         params={n for n, _ in model.named_parameters()},
         constants=set(consts),
+        inputs=INPUTS,
     )
     kw = prx_inputs(model, batch=2, masked=3)
     assert (run(again, model, engines, consts, kw) - eager(model, kw)).abs().max() <= 1e-5
@@ -165,6 +171,7 @@ def test_hostile_json_is_refused_with_a_named_field(program):
                 engines=set(engines),
                 params={n for n, _ in model.named_parameters()},
                 constants=set(consts),
+                inputs=INPUTS,
             )
             pytest.fail(f"accepted: {what}")
 

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from prx_compile import ArtifactError
 from prx_compile.backends.tensorrt.program import Program, ProgramError
+from prx_compile.models import SPECS
+from prx_compile.models.prx import INPUTS as STEP_INPUTS
 
 X = {"ref": "in:hidden_states"}
 INPUTS = {"hidden_states": torch.ones(2, 4, 8, 8)}
@@ -28,7 +30,7 @@ def load(steps, output):
         "output": output,
         "segments": 0,
     }
-    return Program.from_json(data, engines=set(), params=set(), constants=set())
+    return Program.from_json(data, engines=set(), params=set(), constants=set(), inputs=STEP_INPUTS)
 
 
 def run(program):
@@ -114,7 +116,7 @@ def test_what_engines_make_raises_the_bound_and_the_program_stays_bounded_by_it(
         "output": {"ref": "v2"},
         "segments": 1,
     }
-    program = Program.from_json(data, engines={"e0"}, params=set(), constants=set())
+    program = Program.from_json(data, engines={"e0"}, params=set(), constants=set(), inputs=STEP_INPUTS)
     out = program.run(INPUTS, {}, {"e0": engine}, {})
     assert torch.equal(out, (big + INPUTS["hidden_states"].sum()) * 2)
     data["steps"] += [
@@ -122,7 +124,7 @@ def test_what_engines_make_raises_the_bound_and_the_program_stays_bounded_by_it(
         for i in range(3, 60)
     ]
     data["output"] = {"tuple": [{"ref": f"v{i}"} for i in range(3, 60)]}
-    hoard = Program.from_json(data, engines={"e0"}, params=set(), constants=set())
+    hoard = Program.from_json(data, engines={"e0"}, params=set(), constants=set(), inputs=STEP_INPUTS)
     with pytest.raises(ArtifactError, match="its results hold"):
         hoard.run(INPUTS, {}, {"e0": engine}, {})
 
@@ -229,8 +231,8 @@ def test_a_set_too_large_for_the_device_is_refused_before_its_first_call():
     model = make_prx()  # hidden 64, fp32
     small = ShapeRange.static(2, 16, 16, 16)
     big = ShapeRange.static(256, 2048, 2048, 4096)
-    check_memory([small], model, free_bytes=2**30)
+    check_memory([small], model, SPECS["prx"], free_bytes=2**30)
     with pytest.raises(ArtifactError, match=r"needs at least .* GiB of device memory .* are free"):
-        check_memory([small, big], model, free_bytes=2**30)
+        check_memory([small, big], model, SPECS["prx"], free_bytes=2**30)
     with pytest.raises(ValueError, match="tokens a step, more than"):
         ShapeRange.from_dict({**big.to_dict(), "batch": [1, 256]})

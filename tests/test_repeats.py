@@ -8,12 +8,13 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from prx_compile.backends.tensorrt.repeats import SharedEngines, structure_key
-from prx_compile.export import export_prx
+from prx_compile.export import export_step
 from prx_compile.lowering import LoweringSettings, lower
+from prx_compile.models.prx import INPUTS
 from prx_compile.ops import LINEAR, PRX_ATTENTION
 from prx_compile.tools.testing import TINY_PRX, make_prx
 
-from .conftest import RANGE, eager, prx_inputs
+from .conftest import RANGE, eager, plan_of, prx_inputs
 
 DEPTH = 4
 
@@ -23,7 +24,7 @@ def _exported(depth: int, seed: int):
     """(model, ExportedProgram) of the tiny PRX at ``depth``, exported once for every test here (the
     export does not depend on the lowering settings; each use lowers a fresh ``ep.module()``)."""
     model = make_prx({**TINY_PRX, "depth": depth}, seed=seed)
-    ep, _ = export_prx(model, prx_inputs(model), RANGE, weights="inputs", fuse_attention=True)
+    ep, _ = export_step(model, prx_inputs(model), RANGE, weights="inputs", fuse_attention=True)
     return model, ep
 
 
@@ -183,7 +184,7 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
     hs = torch.rand(4)
     want = gm(hs, *params.values())
 
-    program, engines, constants = program_of(gm, (StandIn,), list(params), params)
+    program, engines, constants = program_of(gm, (StandIn,), list(params), params, INPUTS)
     assert list(engines) == ["_run_on_acc_0", "_run_on_acc_1"]
     assert [st.engine for st in program.steps if st.op == "engine"] == [
         "_run_on_acc_0",
@@ -194,14 +195,14 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
 
     monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     model = torch.nn.Module()
-    backend = TensorRTBackend(model, CompileConfig(), ShapeRange.static(1, 8, 8, 4))
+    backend = TensorRTBackend(model, plan_of(CompileConfig()), ShapeRange.static(1, 8, 8, 4))
     backend.program, backend.engines, backend.constants = program, engines, constants
     state = backend.state()
     assert sorted(state.blobs) == ["_run_on_acc_0.engine", "_run_on_acc_1.engine"]
     assert state.blobs["_run_on_acc_1.engine"] == b"block"
     assert sorted(state.meta["engines"]) == ["_run_on_acc_0", "_run_on_acc_1"]
     again = Program.from_json(
-        state.meta["program"], engines=set(engines), params=set(params), constants=set()
+        state.meta["program"], engines=set(engines), params=set(params), constants=set(), inputs=INPUTS
     )
     torch.testing.assert_close(again.run({"hidden_states": hs}, params, engines, constants), want)
 

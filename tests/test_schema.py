@@ -110,14 +110,16 @@ def test_a_hostile_lora_record_is_a_lora_error_naming_the_field():
 
 def test_a_model_config_value_in_a_manifest_is_checked_by_its_type():
     from prx_compile.io.saving import _check_value
+    from prx_compile.models import SPECS
 
-    _check_value("depth", 16, 16)
-    _check_value("axes_dim", [32, 32], None)
+    prx = SPECS["prx"]
+    _check_value("depth", 16, 16, prx)
+    _check_value("axes_dim", [32, 32], None, prx)
     bad = [("depth", 257, 16), ("depth", True, 16), ("theta", math.nan, 1.0)]
     bad += [("axes_dim", [0], None), ("axes_dim", "32", None), ("flag", 1, False)]
     for key, v, default in bad:
         with pytest.raises(ArtifactError, match=f"manifest.model.config.{key}=.* is not an allowed value"):
-            _check_value(key, v, default)
+            _check_value(key, v, default, prx)
 
 
 def test_a_string_spec_that_cannot_hold_its_own_choices_is_refused_when_made():

@@ -13,6 +13,8 @@ from prx_compile.config import CompileConfig
 from prx_compile.ops import LINEAR, PRX_ATTENTION
 from prx_compile.shapes import ShapeRange
 
+from .conftest import plan_of
+
 
 def fake_compile(exported_program, *, attn_bias_is_causal=True, truncate_double=False, device=None, **kwargs):
     """The shape of torch_tensorrt.dynamo.compile's signature, minus options."""
@@ -78,7 +80,8 @@ def test_linears_go_to_pytorch_as_range_and_static_linears_say(monkeypatch, shap
     monkeypatch.setattr(shim, "compile_settings", lambda required, optional: {**optional, **required})
     monkeypatch.setattr(trt_backend, "_cuda_device", str)  # no CUDA on this machine
     backend = TensorRTBackend.__new__(TensorRTBackend)  # settings() only: no Torch-TensorRT needed
-    backend.config, backend.shapes = CompileConfig(**overrides), shapes
+    backend.plan, backend.shapes = plan_of(CompileConfig(**overrides)), shapes
+    backend.config = backend.plan.config
     got = backend.settings()
     assert PRX_ATTENTION in got["torch_executed_ops"]
     assert (LINEAR in got["torch_executed_ops"]) is in_torch
@@ -138,8 +141,10 @@ def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
 def test_share_context_memory_gives_a_set_one_arena_or_none(monkeypatch):
     monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     shapes = ShapeRange.static(1, 8, 8, 4)
-    on = TensorRTBackend(torch.nn.Module(), CompileConfig(device="cuda:0"), shapes)._new_arena()
-    off = TensorRTBackend(torch.nn.Module(), CompileConfig(share_context_memory=False), shapes)._new_arena()
+    on = TensorRTBackend(torch.nn.Module(), plan_of(CompileConfig(device="cuda:0")), shapes)._new_arena()
+    off = TensorRTBackend(
+        torch.nn.Module(), plan_of(CompileConfig(share_context_memory=False)), shapes
+    )._new_arena()
     assert isinstance(on, shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
 
 

@@ -8,7 +8,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from ..config import CompileConfig
+from ..plan import Plan
 from ..shapes import ShapeRange
 
 
@@ -37,9 +37,11 @@ class SetReport(TypedDict):
 class Backend(abc.ABC):
     kind: str = ""
 
-    def __init__(self, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange):
+    def __init__(self, model: torch.nn.Module, plan: Plan, shapes: ShapeRange):
         self.model = model
-        self.config = config
+        self.plan = plan
+        self.config = plan.config
+        self.spec = plan.spec
         self.shapes = shapes
         self.build_s: float | None = None
         #: where this set's first call went, in seconds: ``export_s``, ``lower_s``, (TensorRT)
@@ -54,11 +56,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def build(self, example: dict[str, torch.Tensor]) -> None:
-        """Export, lower and compile for ``example`` (PRX forward kwargs) over ``self.shapes``."""
+        """Export, lower and compile for ``example`` (the step's inputs) over ``self.shapes``."""
 
     @abc.abstractmethod
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
-        """One transformer step: PRX forward kwargs -> (B, C, H, W)."""
+        """One transformer step: the step's inputs (``ModelSpec.inputs``) -> the model's output."""
 
     @property
     def is_loaded(self) -> bool:
@@ -96,7 +98,7 @@ class Backend(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def from_state(
-        cls, model: torch.nn.Module, config: CompileConfig, shapes: ShapeRange, state: BackendState
+        cls, model: torch.nn.Module, plan: Plan, shapes: ShapeRange, state: BackendState
     ) -> Backend:
         """The backend ``state`` describes, over ``model``'s live parameters. Raises ValueError
         naming the field when the state is malformed."""

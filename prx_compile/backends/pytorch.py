@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import progress
-from ..export import ACTIVATIONS, export_prx, weight_tensors
+from ..export import export_step, weight_tensors
 from ..lowering import lower
 from .base import Backend, BackendState, SetReport, empty_report
 
@@ -28,11 +28,11 @@ class TorchBackend(Backend):
         cfg = self.config
         times = self.timings
         with progress.stage(f"export ({self.shapes.describe()})", times, "export_s"):
-            ep, self.weight_names = export_prx(
+            ep, self.weight_names = export_step(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
         with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-            gm = lower(ep.module(), cfg.lowering())
+            gm = lower(ep.module(), self.plan.lowering())
         self.graph_module = gm
         dynamic = not self.shapes.is_static()
         self.fn = torch.compile(gm, dynamic=dynamic) if cfg.backend == "inductor" else gm
@@ -41,7 +41,7 @@ class TorchBackend(Backend):
         self.build_s = time.perf_counter() - t0
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
-        kwargs: dict[str, Any] = {k: inputs[k] for k in ACTIVATIONS}
+        kwargs: dict[str, Any] = {k: inputs[k] for k in self.spec.inputs(self.model)}
         if self.weight_names is not None:
             params = weight_tensors(self.model)
             kwargs["weights"] = [params[n] for n in self.weight_names]
@@ -61,7 +61,7 @@ class TorchBackend(Backend):
         return BackendState({"kind": self.kind})
 
     @classmethod
-    def from_state(cls, model, config, shapes, state: BackendState) -> TorchBackend:
+    def from_state(cls, model, plan, shapes, state: BackendState) -> TorchBackend:
         if state.meta != {"kind": cls.kind} or state.blobs or state.tensors:
             raise ValueError("a torch backend state is exactly {'kind': 'torch'}")
-        return cls(model, config, shapes)  # exports and lowers again at its first call
+        return cls(model, plan, shapes)  # exports and lowers again at its first call

@@ -1,21 +1,11 @@
-"""Export: one PRX denoising step as a ``torch.export`` program.
+"""Export: one transformer step as a ``torch.export`` program.
 
-* ``fusion``: the module-level rewrite, before export, of each PRX attention's core (QK norm, RoPE,
-  joint attention) into one ``prx_compile::prx_attention`` op (``CompileConfig.attention = "fused"``);
-* ``step``: ``export_prx``, the export itself (dynamic batch, latent size and text length over a
-  ``prx_compile.shapes.ShapeRange``), and the example inputs and weight tensors of a step.
+* ``step``: ``export_step``, the export itself (dynamic batch, image size and text length over a
+  ``prx_compile.shapes.ShapeRange``, the axes the model's spec names), the example inputs and the
+  weight tensors of a step;
+* ``repeat``: the first block of each block list traced, copied for the others.
 """
 
-from .fusion import FusedPRXAttnProcessor, fused_attention_processors
-from .step import ACTIVATIONS, PRXStep, example_inputs, export_prx, image_ids, weight_tensors
+from .step import Step, example_inputs, export_step, step_module, weight_tensors
 
-__all__ = [
-    "ACTIVATIONS",
-    "FusedPRXAttnProcessor",
-    "PRXStep",
-    "example_inputs",
-    "export_prx",
-    "fused_attention_processors",
-    "image_ids",
-    "weight_tensors",
-]
+__all__ = ["Step", "example_inputs", "export_step", "step_module", "weight_tensors"]

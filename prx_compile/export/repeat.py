@@ -1,24 +1,25 @@
-"""Trace one PRX block, repeat it: the exported step of a D-block model from an export of its first block.
+"""Trace one block, repeat it: the exported step of a model with D repeated blocks from an export of
+its first block (of each block list the model's spec names).
 
 ``torch.export`` traces every block of the model, and each costs the same again: ~0.15 s at static
 shapes, ~0.2 s and more over symbolic ones (measured on this project's CPU machine), most of it in
-sympy. The blocks are one computation on different weights, so ``repeat_blocks`` exports the model
-with its first block only, between two boundary markers, and copies that block's nodes once per
-further block, each copy reading its own block's weights:
+sympy. The blocks of a list are one computation on different weights, so ``repeat_blocks`` exports the
+model with the first block of each list only, its carried tensors (``BlockList.carried``) between
+boundary markers, and copies that block's nodes once per further block, each copy reading its own
+block's weights:
 
-    export(model with blocks[:1], markers around blocks[0])
+    export(model with each list cut to [block 0], markers around block 0's carried inputs and outputs)
         -> nodes between the markers = block 0 (its operations, in trace order)
         -> copies 1..D-1 chained after it, block i's weight placeholders for block 0's
         -> markers removed; weight placeholders renumbered in the full model's ``weight_tensors`` order
 
 The result is the graph a full export gives: the same operations in the same order on the same
-inputs, up to which alias of the text mask each block reads (a full export chains ``mask.to(bool)``
-from block to block; the copies read the input). ``tests/test_export_repeat.py`` compares the two
-node by node and their outputs. Where
-the model is not one this applies to, it says why and returns None, and the caller exports in full:
-weights baked into the graph (``weights="engine"``), fewer than two blocks, blocks whose parameters
-differ in names, shapes or dtypes, a block called with positional hidden states, or a block value
-used after the block.
+inputs, up to which alias of an input each block reads (a full export chains ``mask.to(bool)`` from
+block to block; the copies read the input). ``tests/test_export_repeat.py`` compares the two node by
+node and their outputs. Where the model is not one this applies to, it says why and returns None, and
+the caller exports in full: weights baked into the graph (``weights="engine"``), a list of fewer than
+two blocks, blocks whose parameters differ in names, shapes or dtypes, a block called with positional
+carried tensors, or a block value used after the block.
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ from torch.export.exported_program import ModuleCallEntry
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
 from torch.utils import _pytree as pytree
 
+from ..models import ModelSpec
+
 logger = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("prx_compile::block_boundary", mutates_args=())
-def block_boundary(x: torch.Tensor) -> torch.Tensor:
-    """Identity (a copy): marks a block's hidden-state input and output in an export; never kept."""
+def block_boundary(x: torch.Tensor, tag: int) -> torch.Tensor:
+    """Identity (a copy): marks a block's carried input (``tag`` 2i, block list i) or output (2i + 1)
+    in an export; never kept."""
     return x.clone()
 
 
 @block_boundary.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, tag: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -54,86 +58,121 @@ BOUNDARY = torch.ops.prx_compile.block_boundary.default
 
 
 class _MarkedBlocks(torch.nn.ModuleList):
-    """A ModuleList whose iteration yields its blocks wrapped in boundary markers (what PRX's forward
-    loops over); its parameters keep their names."""
+    """A ModuleList whose iteration yields its blocks wrapped in boundary markers (what the model's
+    forward loops over); its parameters keep their names."""
+
+    def __init__(self, blocks, index: int, carried: tuple[str, ...]):
+        super().__init__(blocks)
+        object.__setattr__(self, "_mark", (index, carried))
 
     def __iter__(self) -> Iterator[Any]:
+        index, carried = self._mark
         for block in super().__iter__():
-            yield _marked(block)
+            yield _marked(block, index, carried)
 
 
-def _marked(block: torch.nn.Module):
+def _marked(block: torch.nn.Module, index: int, carried: tuple[str, ...]):
     def call(*args: Any, **kwargs: Any) -> Any:
-        if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = block_boundary(kwargs["hidden_states"])
+        for name in carried:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = block_boundary(kwargs[name], 2 * index)
         out = block(*args, **kwargs)
-        return block_boundary(out) if isinstance(out, torch.Tensor) else out
+        if isinstance(out, torch.Tensor):
+            return block_boundary(out, 2 * index + 1)
+        if isinstance(out, tuple) and all(isinstance(o, torch.Tensor) for o in out):
+            return tuple(block_boundary(o, 2 * index + 1) for o in out)
+        return out
 
     return call
 
 
-def why_not(model: torch.nn.Module, weights: str) -> str | None:
+def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None:
     """Why ``repeat_blocks`` does not apply to ``model`` (None: it does)."""
     if weights != "inputs":
         return "the weights are baked into the graph (weights='engine')"
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < 2:
-        return "the model has no list of two or more blocks"
+    if not spec.blocks:
+        return "the model has no list of repeated blocks"
 
     def layout(block: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         tensors = [*block.named_parameters(), *block.named_buffers()]
         return [(name, tuple(t.shape), t.dtype) for name, t in tensors]
 
-    first = layout(blocks[0])
-    if any(type(b) is not type(blocks[0]) or layout(b) != first for b in blocks):
-        return "the blocks differ in class, parameter names, shapes or dtypes"
+    for bl in spec.blocks:
+        blocks = getattr(model, bl.attr, None)
+        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < 2:
+            return f"{bl.attr} is not a list of two or more blocks"
+        first = layout(blocks[0])
+        if any(type(b) is not type(blocks[0]) or layout(b) != first for b in blocks):
+            return f"the blocks of {bl.attr} differ in class, parameter names, shapes or dtypes"
     return None
 
 
-def first_block_only(model: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy of ``model`` whose ``blocks`` is ``[blocks[0]]``, marked (the same modules and
-    tensors: nothing is copied, the model itself is not changed)."""
+def first_blocks_only(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose block lists are ``[block 0]`` each, marked (the same modules
+    and tensors: nothing is copied, the model itself is not changed)."""
     small = copy.copy(model)
     small.__dict__["_modules"] = dict(model._modules)
-    small._modules["blocks"] = _MarkedBlocks([model.blocks[0]])
+    for i, bl in enumerate(spec.blocks):
+        small._modules[bl.attr] = _MarkedBlocks([getattr(model, bl.attr)[0]], i, bl.carried)
     return small
 
 
 def repeat_blocks(
-    ep: ExportedProgram, small_names: list[str], full_names: list[str], depth: int
+    ep: ExportedProgram,
+    small_names: list[str],
+    full_names: list[str],
+    spec: ModelSpec,
+    model: torch.nn.Module,
 ) -> ExportedProgram | None:
-    """The exported step of the ``depth``-block model from ``ep``, the export of ``first_block_only``.
+    """The exported step of ``model`` from ``ep``, the export of ``first_blocks_only(model, spec)``.
 
-    small_names / full_names: the weight FQNs of the one-block and the full model, in their
-    ``weights_*`` order. None (logged) where the graph is not one marked block between a head and a
-    tail."""
+    small_names / full_names: the weight FQNs of the cut and the full model, in their ``weights_*``
+    order. None (logged) where the graph is not one marked block per list between the rest."""
     gm = ep.graph_module
     graph = gm.graph
     nodes = list(graph.nodes)
-    marks = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY]
-    if len(marks) != 2:
-        return _no(f"{len(marks)} block boundaries in the export, not 2")
-    start, end = marks
-    i0, i1 = nodes.index(start), nodes.index(end)
-    body = nodes[i0 + 1 : i1 + 1]  # block 0's nodes in trace order; ``end`` marks its output
-    inside = set(body)
-    for n in body[:-1]:
-        if any(u not in inside for u in n.users):
-            return _no(f"block value {n.name} is used after the block")
+    order = {n: i for i, n in enumerate(nodes)}
+    lists = []
+    for i, bl in enumerate(spec.blocks):
+        starts = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY and n.args[1] == 2 * i]
+        ends = [
+            n for n in nodes if n.op == "call_function" and n.target is BOUNDARY and n.args[1] == 2 * i + 1
+        ]
+        if len(starts) != len(bl.carried) or len(ends) != len(bl.carried):
+            return _no(f"{bl.attr}: {len(starts)} + {len(ends)} block boundaries, not {len(bl.carried)} each")
+        if max(map(order.get, starts)) > min(map(order.get, ends)):
+            return _no(f"{bl.attr}: the block boundaries are out of order")
+        body = nodes[max(map(order.get, starts)) + 1 : max(map(order.get, ends)) + 1]
+        if any(n.target is BOUNDARY and n not in ends for n in body):
+            return _no(f"{bl.attr}: another block's boundary inside the block")
+        inside = set(body)
+        for n in body:  # a shape value (SymInt) is the same in every block: later code may reuse it
+            if n not in ends and not _is_shape(n) and any(u not in inside for u in n.users):
+                return _no(f"block value {n.name} is used after the block")
+        if any(u not in inside for s in starts for u in s.users):
+            return _no(f"{bl.attr}: a block input is used outside the block")
+        lists.append((bl, starts, ends, body, inside))
     placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
     by_name = {name: placeholders.get(f"weights_{k}") for k, name in enumerate(small_names)}
     if None in by_name.values():
         return _no("a weight placeholder is missing")
-    prefix = "blocks.0."
-    own = {name[len(prefix) :]: ph for name, ph in by_name.items() if name.startswith(prefix)}
-    for ph in own.values():
-        if any(u not in inside for u in ph.users):
-            return _no(f"block 0 weight {ph.name} is read outside the block")
-    expected = [n for n in full_names if not n.startswith("blocks.") or n.startswith(prefix)]
-    if expected != small_names or not all(f"blocks.{i}.{k}" in full_names for i in range(depth) for k in own):
-        return _no("the weights of the one-block export do not match the full model's")
+    owns: dict[str, dict[str, torch.fx.Node]] = {}
+    for bl, _, _, _, inside in lists:
+        prefix = f"{bl.attr}.0."
+        own = owns[bl.attr] = {n[len(prefix) :]: ph for n, ph in by_name.items() if n.startswith(prefix)}
+        for ph in own.values():
+            if any(u not in inside for u in ph.users):
+                return _no(f"block 0 weight {ph.name} is read outside the block")
+    attrs = tuple(f"{bl.attr}." for bl in spec.blocks)
+    expected = [
+        n for n in full_names if not n.startswith(attrs) or n.startswith(tuple(a + "0." for a in attrs))
+    ]
+    depth = {bl.attr: len(getattr(model, bl.attr)) for bl in spec.blocks}
+    if expected != small_names or not all(
+        f"{a}.{i}.{k}" in full_names for a, own in owns.items() for i in range(depth[a]) for k in own
+    ):
+        return _no("the weights of the cut export do not match the full model's")
 
-    tail_users = list(end.users)
     # new placeholders, in the full model's order, after the activations
     for ph in by_name.values():
         ph._rename(f"_one_block_{ph.name}")
@@ -146,7 +185,8 @@ def repeat_blocks(
         ph = new_ph[name]
         ph._rename(f"weights_{j}")
         ph.target = ph.name
-        source = by_name.get(name) or own[name.split(".", 2)[2]]
+        a = next((a for a in owns if name.startswith(f"{a}.")), None)
+        source = by_name.get(name) or owns[a][name.split(".", 2)[2]]
         ph.meta = dict(source.meta)
         if name not in by_name:  # its own value: inputs that share one would be taken as aliases
             ph.meta["val"] = _fresh(source.meta["val"])
@@ -154,17 +194,21 @@ def repeat_blocks(
         ph.replace_all_uses_with(new_ph[name])
         graph.erase_node(ph)
 
-    previous, cursor = end, end
-    for i in range(1, depth):
-        env: dict[torch.fx.Node, torch.fx.Node] = {start: previous}
-        env.update({new_ph[prefix + k]: new_ph[f"blocks.{i}.{k}"] for k in own})
-        for n in body:
-            with graph.inserting_after(cursor):
-                cursor = graph.node_copy(n, lambda a, env=env: env.get(a, a))
-            env[n] = cursor
-        previous = env[end]
-    for user in tail_users:
-        user.replace_input_with(end, previous)
+    for bl, starts, ends, body, inside in lists:
+        prefix, own = f"{bl.attr}.0.", owns[bl.attr]
+        tail_users = {e: [u for u in e.users if u not in inside] for e in ends}
+        previous, cursor = list(ends), body[-1]
+        for i in range(1, depth[bl.attr]):
+            env: dict[torch.fx.Node, torch.fx.Node] = dict(zip(starts, previous, strict=True))
+            env.update({new_ph[prefix + k]: new_ph[f"{bl.attr}.{i}.{k}"] for k in own})
+            for n in body:
+                with graph.inserting_after(cursor):
+                    cursor = graph.node_copy(n, lambda x, env=env: env.get(x, x))
+                env[n] = cursor
+            previous = [env[e] for e in ends]
+        for e, last in zip(ends, previous, strict=True):
+            for user in tail_users[e]:
+                user.replace_input_with(e, last)
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target is BOUNDARY:
             n.replace_all_uses_with(n.args[0])
@@ -172,6 +216,11 @@ def repeat_blocks(
     graph.lint()
     gm.recompile()
     return _program(ep, gm, full_names)
+
+
+def _is_shape(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a size (an int or SymInt), not a tensor."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt))
 
 
 def _fresh(val: Any) -> Any:

@@ -124,8 +124,10 @@ def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
         "model": model_config(backend.model),
         "class": type(backend.model).__name__,
         "shapes": backend.shapes.to_dict(),
-        "settings": {**cfg.engine_settings(), "dtype": str(next(backend.model.parameters()).dtype)},
-        "linears_in_torch": cfg.linears_in_torch(backend.shapes),  # range_linears, for this set
+        "settings": {
+            **backend.plan.engine_key(backend.shapes),
+            "dtype": str(next(backend.model.parameters()).dtype),
+        },
         "versions": artifact.versions(cfg.backend == "tensorrt"),
         "gpu": artifact.gpu() if cfg.backend == "tensorrt" else None,
         "inputs": {k: str(v.dtype) for k, v in sorted(example.items())},
@@ -213,6 +215,6 @@ def load_entry(path: Path, like: Backend) -> Backend:
         raise ArtifactError(f"{path}: holds engines for {shapes.describe()}, not {like.shapes.describe()}.")
     state = artifact.read_state(reader, "set", m.get("set"), "manifest.set", like.config.device)
     try:
-        return backend_class(like.config).from_state(like.model, like.config, shapes, state)
+        return backend_class(like.plan).from_state(like.model, like.plan, shapes, state)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ArtifactError(f"{path}: {e}") from e

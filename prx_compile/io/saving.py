@@ -15,7 +15,6 @@ unpickled, no code is generated, no file outside the directory is read and nothi
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -30,8 +29,8 @@ from .. import lora, schema
 from ..backends import backend_class, make_backend
 from ..config import DTYPES, CompileConfig
 from ..errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError, excerpt
-from ..quant import fp8
-from ..runtime.module import CompiledTransformer
+from ..models import ModelSpec, spec_of_class
+from ..runtime.module import CompiledTransformer, assemble
 from ..shapes import ShapeRange
 from . import artifact
 from .artifact import field
@@ -40,7 +39,6 @@ logger = logging.getLogger(__name__)
 KIND = "artifact"
 WEIGHTS = "weights.safetensors"
 LORA = "lora.safetensors"
-MODEL_CLASS = "PRXTransformer2DModel"
 
 
 def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
@@ -50,9 +48,10 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
     if not isinstance(module, CompiledTransformer):
         raise ArtifactError(f"save_compiled takes a CompiledTransformer, got {type(module).__name__}.")
     transformer = module.transformer
-    if type(transformer).__name__ != MODEL_CLASS or type(transformer).__module__.split(".")[0] != "diffusers":
+    spec = module.spec
+    if type(transformer) is not spec.model_class():  # a subclass of ours would not load as itself
         raise ArtifactError(
-            f"only diffusers' {MODEL_CLASS} can be saved, not {type(transformer).__name__}.",
+            f"only diffusers' {spec.class_name} itself can be saved, not a {type(transformer).__name__}.",
         )
     if next(transformer.parameters()).dtype not in DTYPES.values():
         raise ArtifactError(
@@ -62,7 +61,7 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
     cfg = module.compile_config
     originals, lora_tensors, lora_record = lora.export_state(transformer)
     weights = {k: originals.get(k, v) for k, v in transformer.state_dict().items()}
-    model_record = {"class": MODEL_CLASS, "config": _model_config(transformer)}
+    model_record = {"class": spec.class_name, "config": _model_config(transformer)}
     with artifact.writing(path, KIND) as w:  # what decides the numbers goes into hashed files
         w.write_tensors(WEIGHTS, weights, {"prx_compile.model": json.dumps(model_record, sort_keys=True)})
         if lora_record is not None:
@@ -141,18 +140,7 @@ def load_compiled(
         )
     if config.backend == "tensorrt" and not rebuild:
         check_compatible(m)  # before any tensor is read
-    model = _load_model(reader, config)
-    if config.precision == "fp8":  # before the engine sets bind the FP8 weights they read
-        fp8.install(model)
-    if m["lora"] is not None or LORA in reader.files:
-        tensors, meta = reader.read_tensors(LORA, config.device)
-        record = _recorded(meta, "prx_compile.lora", LORA)
-        if record != m["lora"]:
-            raise ArtifactError(f"manifest.lora does not match the record in {LORA}.")
-        try:
-            lora.restore_state(model, record, tensors)
-        except LoRAError as e:
-            raise ArtifactError(f"{path}: the saved LoRA cannot be restored: {e}") from e
+    model, spec = _load_model(reader, config)
     records = m["sets"]  # at most 256, each {shapes, state}: _MANIFEST
     shapes = []
     for i, rec in enumerate(records):
@@ -161,20 +149,39 @@ def load_compiled(
         except ValueError as e:
             raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
     if config.device.startswith("cuda"):  # before the first call allocates a step's activations
-        check_memory(shapes, model, torch.cuda.mem_get_info(torch.device(config.device))[0])
-    if rebuild:
-        backends = [make_backend(model, config, s) for s in shapes] or None
-    else:
-        backends = []
+        check_memory(shapes, model, spec, torch.cuda.mem_get_info(torch.device(config.device))[0])
+
+    def restore() -> None:  # the saved LoRA, after the FP8 copies exist (they follow it)
+        if m["lora"] is None and LORA not in reader.files:
+            return
+        tensors, meta = reader.read_tensors(LORA, config.device)
+        record = _recorded(meta, "prx_compile.lora", LORA)
+        if record != m["lora"]:
+            raise ArtifactError(f"manifest.lora does not match the record in {LORA}.")
+        try:
+            lora.restore_state(model, record, tensors)
+        except LoRAError as e:
+            raise ArtifactError(f"{path}: the saved LoRA cannot be restored: {e}") from e
+
+    def backends(plan):
+        if rebuild:
+            return [make_backend(model, plan, s) for s in shapes] or None
+        out = []
         for i, (rec, s) in enumerate(zip(records, shapes, strict=True)):
             state = artifact.read_state(
                 reader, f"sets/{i}", rec["state"], f"manifest.sets[{i}].state", config.device
             )
             try:
-                backends.append(backend_class(config).from_state(model, config, s, state))
+                out.append(backend_class(plan).from_state(model, plan, s, state))
             except (ValueError, TypeError, KeyError, AttributeError) as e:  # a malformed state, named
                 raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
-    compiled = CompiledTransformer(model, config, backends or None, load_s=time.perf_counter() - t0)
+        return out or None
+
+    try:
+        compiled = assemble(model, config, spec=spec, restore=restore, backends=backends)
+    except ConfigError as e:  # a config this model or machine cannot take, as the artifact asks
+        raise ArtifactError(f"manifest.config: {e}") from e
+    compiled.load_s = time.perf_counter() - t0
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
     return compiled
 
@@ -220,20 +227,21 @@ def _config(m: dict[str, Any], device: str | torch.device | None, backend: str |
 _SMALL_INT = schema.Int(1, 1 << 16)
 
 
-def _value_spec(key: str, default: Any) -> schema.Spec:
-    """The schema of a PRX setting: the type its constructor default has (None: an int, ints, None)."""
+def _value_spec(key: str, default: Any, spec: ModelSpec) -> schema.Spec:
+    """The schema of a model setting: the type its constructor default has (None: an int, ints, None);
+    a depth at most what the spec allows (``size_keys``)."""
     if isinstance(default, bool):
         return schema.Bool()
     if isinstance(default, int):
-        return schema.Int(1, 256) if key == "depth" else _SMALL_INT
+        return schema.Int(1, spec.size_keys[key]) if key in spec.size_keys else _SMALL_INT
     if isinstance(default, float):
         return schema.Float(math.ulp(0.0), 1e9)  # positive, and no OverflowError downstream
     return schema.OneOf(schema.Null(), _SMALL_INT, schema.List(_SMALL_INT, max_len=16, min_len=1))
 
 
-def _check_value(key: str, v: Any, default: Any) -> None:
+def _check_value(key: str, v: Any, default: Any, spec: ModelSpec) -> None:
     try:
-        schema.check(_value_spec(key, default), v, f"manifest.model.config.{key}")
+        schema.check(_value_spec(key, default, spec), v, f"manifest.model.config.{key}")
     except schema.SchemaError as e:
         raise ArtifactError(f"manifest.model.config.{key}={excerpt(v, 60)} is not an allowed value.") from e
 
@@ -246,28 +254,27 @@ def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:
         raise ArtifactError(f"{rel} has no valid {key} record in its header.") from e
 
 
-def _load_model(reader: artifact.Reader, config: CompileConfig) -> torch.nn.Module:
-    """The PRX model from the config recorded in the weights file's header (the manifest holds a
-    copy, which must match), with those weights."""
-    from diffusers import PRXTransformer2DModel
-
+def _load_model(reader: artifact.Reader, config: CompileConfig) -> tuple[torch.nn.Module, ModelSpec]:
+    """The model (and its spec) from the class and config recorded in the weights file's header (the
+    manifest holds a copy, which must match), with those weights."""
     state, meta = reader.read_tensors(WEIGHTS, config.device)
     model_rec = _recorded(meta, "prx_compile.model", WEIGHTS)
     if model_rec != reader.manifest.get("model"):
         raise ArtifactError(f"manifest.model does not match the record in {WEIGHTS}.")
-    if field(model_rec, "class", str, "manifest.model") != MODEL_CLASS:
-        raise ArtifactError(f"manifest.model.class must be {MODEL_CLASS!r}.")
-    cfg = field(model_rec, "config", dict, "manifest.model")
-    params = inspect.signature(PRXTransformer2DModel.__init__).parameters
-    for key, v in cfg.items():
-        if key not in params or key == "self":
-            raise ArtifactError(f"manifest.model.config.{str(key)[:40]} is not a PRX setting.")
-        _check_value(key, v, params[key].default)
     try:
-        with torch.device("meta"):
-            model = PRXTransformer2DModel(**cfg)
+        spec = spec_of_class(field(model_rec, "class", str, "manifest.model"))
+    except ConfigError as e:
+        raise ArtifactError(f"manifest.model.class: {e}") from e
+    cfg = field(model_rec, "config", dict, "manifest.model")
+    params = spec.constructor_defaults()
+    for key, v in cfg.items():
+        if key not in params:
+            raise ArtifactError(f"manifest.model.config.{str(key)[:40]} is not a {spec.class_name} setting.")
+        _check_value(key, v, params[key], spec)
+    try:
+        model = spec.construct(cfg)
     except Exception as e:  # diffusers' own checks (e.g. heads not dividing the width)
-        raise ArtifactError(f"manifest.model.config does not make a PRX model: {str(e)[:200]}") from e
+        raise ArtifactError(f"manifest.model.config does not make a {spec.class_name}: {str(e)[:200]}") from e
     expected = model.state_dict()
     if set(state) != set(expected):
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
@@ -287,7 +294,7 @@ def _load_model(reader: artifact.Reader, config: CompileConfig) -> torch.nn.Modu
                 f"the model config says {tuple(expected[k].shape)}."
             )
     model.load_state_dict(state, strict=True, assign=True)
-    return model.requires_grad_(False).eval()
+    return model.requires_grad_(False).eval(), spec
 
 
 def check_compatible(m: dict[str, Any]) -> None:
@@ -329,11 +336,11 @@ def check_compatible(m: dict[str, Any]) -> None:
 ACTIVATION_FACTOR = 8
 
 
-def check_memory(shapes: list[ShapeRange], model: torch.nn.Module, free_bytes: int) -> None:
+def check_memory(shapes: list[ShapeRange], model: torch.nn.Module, spec: ModelSpec, free_bytes: int) -> None:
     """ArtifactError when the largest step of an engine set needs more device memory for its
     activations (a lower bound) than ``free_bytes``: an artifact cannot make a first call allocate
     what the device does not have."""
-    hidden = int(getattr(model.config, "hidden_size", 0) or 0)
+    hidden = spec.width(model)
     elem = next(model.parameters()).element_size()
     for s in shapes:
         need = s.max_tokens() * hidden * elem * ACTIVATION_FACTOR

@@ -1,10 +1,11 @@
-"""LoRA for the PRX transformer — eager or compiled — with exact fuse/unfuse and engine refit.
+"""LoRA for a supported transformer — eager or compiled — with exact fuse/unfuse and engine refit.
 
     load_lora(model, "style.safetensors", "style", scale=0.8)   # fuse into the weights (refit if compiled)
     set_lora(model, ["style", "detail"], [0.8, 0.5])             # switch / mix adapters
-    unload_lora(model)                                           # the original weights, bit for bit
+    unload_lora(model)                                           # the base weights, bit for bit
 
-``model`` is a PRXTransformer2DModel, a CompiledTransformer, or a PRXPipeline (its transformer).
+``model`` is a transformer of a supported class (``prx_compile.models``), a CompiledTransformer, or a
+pipeline (its transformer).
 Fused weights are always recomputed from an exact copy of the originals,
 ``W = W0 + sum_a scale_a * alpha_a/r_a * B_a @ A_a`` (fp32, then the weight dtype), so switching
 A -> B -> A gives exactly A and unloading restores W0. The new values are written into the
@@ -16,9 +17,19 @@ The exact originals of the changed weights are kept beside them (on their device
 loaded; ``unload_lora`` frees them. Saved artifacts hold the original weights plus the adapters,
 and a loaded artifact has the same adapters active, so ``unload_lora`` after a reload is exact too.
 
+Semantics, as PEFT's (an adapter lives beside its base layer): a LoRA stays applied over whatever base
+weights are loaded. Any write to a weight a LoRA changed that is not the LoRA's own (``load_state_dict``,
+strict or partial, ``copy_``, a new ``Parameter``) sets that weight's new *base* value, and the active
+adapters are applied over it again (``LoRAKeeper``: at the next call of a compiled module, at the next
+forward of an eager transformer, or at the next LoRA operation); writing back the value the LoRA
+produced (``load_state_dict(model.state_dict())``) changes nothing. A cast (``.to(dtype)``) casts the
+base values too. ``unload_lora`` leaves exactly the base weights as they are then.
+
 File layouts: diffusers/PEFT (``<module>.lora_A.weight``, ``<module>.lora_B.weight``, optional
-``transformer.`` / ``base_model.model.`` prefix, optional ``<module>.alpha``) and kohya
-(``lora_unet_<module_with_underscores>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``).
+``transformer.`` / ``base_model.model.`` prefix, optional ``<module>.alpha``), kohya
+(``lora_unet_<module_with_underscores>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``), and the
+layouts a model's spec converts (``ModelSpec.convert_lora``: kohya's FLUX files name the original
+model's layers).
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ from typing import Any
 import torch
 
 from .. import schema
-from ..errors import LoRAError, excerpt
+from ..errors import ConfigError, LoRAError, excerpt
+from ..models import spec_for
 from ..quant import fp8
+from ..runtime import follower
 from ..runtime.module import CompiledTransformer
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
@@ -77,12 +90,97 @@ class Adapter:
 
 @dataclass
 class LoRAState:
-    """Kept on the transformer as ``_prx_lora``: exact originals, loaded adapters, active scales."""
+    """Kept on the transformer as ``_prx_lora``: exact base weights, loaded adapters, active scales."""
 
-    originals: dict[str, torch.Tensor] = field(default_factory=dict)  # weight FQN -> exact copy
+    originals: dict[str, torch.Tensor] = field(default_factory=dict)  # weight FQN -> exact base value
     adapters: dict[str, Adapter] = field(default_factory=dict)
     active: dict[str, float] = field(default_factory=dict)
     fused: set[str] = field(default_factory=set)  # weight FQNs that currently differ from the originals
+    #: weight FQN -> (its module, attribute) and the parameter as the LoRA last wrote it (``_print``)
+    slots: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)
+    written: dict[str, tuple] = field(default_factory=dict)
+
+
+def _print(p: torch.Tensor) -> tuple:
+    """What tells a write apart: the object, its storage, its version counter, dtype and device."""
+    return (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+
+
+class LoRAKeeper:
+    """Keeps a loaded LoRA applied over the base weights (``runtime.follower``'s keeper protocol):
+    ``stale`` when a weight the LoRA changed was written by anything else; ``sync`` takes that write
+    as the weight's new base value (or, for a cast or a move, casts the base) and applies the active
+    adapters over it again."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+
+    def stale(self) -> bool:
+        state = self.transformer.__dict__.get("_prx_lora")
+        if state is None or not state.written:
+            return False
+        for fqn, (module, attr) in state.slots.items():
+            p = module._parameters.get(attr)
+            if p is None or _print(p) != state.written[fqn]:
+                return True
+        return False
+
+    def sync(self) -> set[str]:
+        """Rebase the weights written outside the LoRA; returns the FQNs rewritten."""
+        state = self.transformer.__dict__.get("_prx_lora")
+        if state is None or not state.originals:
+            return set()
+        params = dict(self.transformer.named_parameters())
+        rebased, gone = set(), []
+        for fqn, base in list(state.originals.items()):
+            p = params.get(fqn)
+            if p is None or p.shape != base.shape:
+                gone.append(fqn)
+                continue
+            if _print(p) == state.written.get(fqn):
+                continue
+            if (p.dtype, p.device) != (base.dtype, base.device):  # a cast or a move: the base follows
+                state.originals[fqn] = base.to(p.device, p.dtype)
+                rebased.add(fqn)
+            elif not torch.equal(p, _weights_for(self.transformer, state, state.active, {fqn})[fqn]):
+                state.originals[fqn] = p.detach().clone()  # a new base value
+                rebased.add(fqn)
+        if gone:
+            raise LoRAError(
+                f"weights a loaded LoRA changes were removed or reshaped ({', '.join(gone[:3])}): the LoRA "
+                "cannot stay applied.",
+                "unload_lora before changing the transformer's structure, then load the LoRA again.",
+            )
+        if rebased:
+            new = _weights_for(self.transformer, state, state.active, rebased)
+            with torch.no_grad():
+                for fqn, w in new.items():
+                    params[fqn].copy_(w)
+            fp8.requantize(self.transformer, rebased)
+        _record(self.transformer, state)
+        return rebased
+
+
+def _record(transformer: torch.nn.Module, state: LoRAState) -> None:
+    """Remember every weight the LoRA keeps as it is now (what ``LoRAKeeper.stale`` compares)."""
+    modules = dict(transformer.named_modules())
+    state.slots, state.written = {}, {}
+    for fqn in state.originals:
+        mod, _, attr = fqn.rpartition(".")
+        p = modules[mod]._parameters[attr]
+        state.slots[fqn] = (modules[mod], attr)
+        state.written[fqn] = _print(p)
+
+
+def _eager_sync(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of a transformer with a LoRA: an eager call sees its base weights' edits too
+    (never while it is traced: an export reads the weights it is given)."""
+    if torch.compiler.is_compiling():
+        return
+    keeper = follower.keepers(module).get("lora")
+    if keeper is not None and keeper.stale():
+        with torch.no_grad():
+            keeper.sync()
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -227,7 +325,7 @@ def parse_lora(
             parts[mod][part] = t
     if unmatched and strict:
         raise LoRAError(
-            f"LoRA {name!r}: {len(unmatched)} key(s) match no Linear layer of the PRX transformer, "
+            f"LoRA {name!r}: {len(unmatched)} key(s) match no Linear layer of the transformer, "
             f"e.g. {unmatched[:5]}.",
             "pass strict=False to skip them (they are reported).",
         )
@@ -266,7 +364,7 @@ def parse_lora(
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
     if not layers:
         raise LoRAError(
-            f"LoRA {name!r}: no layer of the PRX transformer matched.", f"first keys: {unmatched[:5]}"
+            f"LoRA {name!r}: no layer of the transformer matched.", f"first keys: {unmatched[:5]}"
         )
     return Adapter(name, layers, unmatched, source)
 
@@ -292,16 +390,24 @@ def _target(model: Any):
     if not isinstance(model, torch.nn.Module):
         raise LoRAError(
             f"cannot apply a LoRA to a {type(model).__name__}.",
-            "pass a PRX transformer, a CompiledTransformer or a PRXPipeline.",
+            "pass a transformer, a CompiledTransformer or a pipeline.",
         )
     return model, None
 
 
 def _state(transformer: torch.nn.Module) -> LoRAState:
+    """The transformer's LoRA state, made on first use (with its keeper and eager hook), and brought
+    up to date with writes to its weights made since the LoRA's last one."""
     state = transformer.__dict__.get("_prx_lora")
     if state is None:
         state = LoRAState()
         transformer.__dict__["_prx_lora"] = state
+        follower.register(transformer, "lora", LoRAKeeper(transformer))
+        transformer.register_forward_pre_hook(_eager_sync)
+    keeper = follower.keepers(transformer).get("lora")
+    if keeper is not None and keeper.stale():
+        with torch.no_grad():
+            keeper.sync()
     return state
 
 
@@ -359,9 +465,11 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
                     for fqn, w in previous.items():
                         params[fqn].copy_(w)
                 compiled.weights_changed(sorted(touched))
+            _record(transformer, state)
             raise
     state.active = dict(active)
     state.fused = {f for f in touched if f in wanted}
+    _record(transformer, state)
     return report
 
 
@@ -391,12 +499,14 @@ def load_lora(
     if isinstance(lora, (str, Path)):
         source = str(lora)
         lora, peft_scale = read_lora_file(lora)
+    lora = _converted(transformer, lora, name)
     adapter = parse_lora(lora, transformer, name, strict=strict, default_scale=peft_scale, source=source)
     state.adapters[name] = adapter
     try:
         report = _apply(transformer, compiled, state, {**state.active, name: float(scale)})
     except Exception:
         del state.adapters[name]
+        _record(transformer, state)
         raise
     return {"adapter": name, "layers": len(adapter.layers), "unmatched": adapter.unmatched, **report}
 
@@ -419,6 +529,21 @@ def set_lora(model: Any, names: str | list[str], scales: float | list[float] | N
     return _apply(transformer, compiled, state, dict(zip(names, map(float, scales), strict=True)))
 
 
+def _converted(transformer: torch.nn.Module, lora: Any, name: str) -> Any:
+    """A LoRA in a layout the model's spec converts (``ModelSpec.convert_lora``), in diffusers' layout;
+    a LoRAError where the conversion fails on a malformed file."""
+    if not isinstance(lora, dict) or not all(isinstance(v, torch.Tensor) for v in lora.values()):
+        return lora  # parse_lora names what is wrong
+    try:
+        spec = spec_for(transformer)
+    except ConfigError:
+        return lora
+    try:
+        return spec.convert_lora(lora)
+    except Exception as e:  # diffusers' converters raise ValueError, KeyError, ...
+        raise LoRAError(f"LoRA {name!r} cannot be converted to diffusers' layout: {str(e)[:200]}") from e
+
+
 def _check_scales(scales: list[Any]) -> None:
     for v in scales:
         if not _finite_number(v, MAX_SCALE):
@@ -434,6 +559,7 @@ def unload_lora(model: Any) -> dict[str, Any]:
     report = _apply(transformer, compiled, state, {})
     state.adapters.clear()
     state.originals.clear()
+    _record(transformer, state)
     return report
 
 
@@ -534,21 +660,17 @@ def make_random_lora(
     *,
     seed: int = 0,
     std: float = 0.02,
-    targets: tuple[str, ...] = (
-        "img_qkv_proj",
-        "txt_kv_proj",
-        "to_out.0",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    targets: tuple[str, ...] | None = None,
     layout: str = "peft",
     alpha: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A random LoRA state dict for the model's attention and MLP linears (tests, demos, benchmarks).
+    """A random LoRA state dict for the model's block linears (tests, demos, benchmarks); ``targets``
+    (module-name suffixes) default to the spec's ``lora_targets``.
 
     layout "peft": ``transformer.<module>.lora_A.weight``; "kohya": ``lora_unet_<module>.lora_down.weight``.
     """
+    if targets is None:
+        targets = spec_for(model).lora_targets
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for n, m in _linear_names(model).items():

@@ -1,4 +1,4 @@
-"""PyTorch-level lowering rules that make an exported PRX graph TensorRT-friendly.
+"""PyTorch-level lowering rules that make an exported transformer step TensorRT-friendly.
 
 Each rule lives in its own file, has the signature ``(gm, settings) -> gm``, rewrites only what it
 can prove exact (anything else is left as is and logged at debug level) and logs how many nodes it
@@ -7,8 +7,8 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, padded_attention, gelu_gate,
-  linear):
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, padded_attention,
+  dense_attention, gelu_gate, linear):
   ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
   TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from . import (
     attention,
+    dense_attention,
     fold,
     fp8_attention,
     fp8_mlp,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_FORMS = ("flash", "tensorrt")
 PADDED_ATTENTION = (None, "flash4", "cudnn")
+DENSE_ATTENTION = ("sdpa", "cudnn", "flash4")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class LoweringSettings:
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
     padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
         layout: "flash4" (``prx_attention_flash4``), "cudnn" (``prx_attention_cudnn``) or None.
+    dense_attention: the kernel each dense ``prx_compile::attention`` runs: "sdpa", "cudnn", "flash4".
     gelu_gate: fuse each MLP gate ``gelu_tanh(linear(x, Wg)) * linear(x, Wu)`` into one
         ``gelu_gate`` op (a cuDNN GEMM with the activation in its epilogue).
     linears_in_torch: rewrite every ``aten.linear`` into ``prx_compile::linear`` (run by PyTorch).
@@ -69,6 +72,7 @@ class LoweringSettings:
     fp8_mlp: bool = True
     fp8_attention: bool = False
     padded_attention: str | None = None
+    dense_attention: str = "sdpa"
     gelu_gate: bool = False
     linears_in_torch: bool = False
 
@@ -86,6 +90,12 @@ class LoweringSettings:
             raise ConfigError(
                 f"LoweringSettings.padded_attention={self.padded_attention!r} is not one of "
                 f"{PADDED_ATTENTION}."
+            )
+        if self.dense_attention not in DENSE_ATTENTION:
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                f"LoweringSettings.dense_attention={self.dense_attention!r} is not one of {DENSE_ATTENTION}."
             )
 
 
@@ -114,6 +124,7 @@ register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
 register_rule("fp8_attention")(fp8_attention.rule)
 register_rule("padded_attention")(padded_attention.rule)
+register_rule("dense_attention")(dense_attention.rule)
 register_rule("gelu_gate")(gelu_gate.rule)
 register_rule("linear")(linear.rule)
 

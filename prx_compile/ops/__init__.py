@@ -1,6 +1,7 @@
 """Ops: the custom operators that lowering rules emit and that stay in PyTorch, between TensorRT engines.
 
 * ``library``: the ``torch.ops.prx_compile.*`` operators, registered when this package is imported;
+* ``registry``: each of them declared once, with the role that says when it stays in PyTorch;
 * ``kernels``: their Triton kernels with PyTorch twins (merge, QK norm + RoPE, FP8 quantisation);
 * ``cudnn_attention``: the joint attention as one cuDNN call (cuDNN's frontend, the ``cudnn`` extra);
 * ``flash4_attention``: the same as one FlashAttention-4 call on Hopper (the ``flash4`` extra);
@@ -9,6 +10,8 @@
 """
 
 from .library import (
+    ATTENTION,
+    ATTENTION_KERNELS,
     FLASH_ATTENTION,
     FP8_GATED_MLP,
     FP8_LINEAR,
@@ -19,6 +22,7 @@ from .library import (
     PRX_ATTENTION_CUDNN,
     PRX_ATTENTION_FLASH4,
     PRX_ATTENTION_FP8,
+    attention,
     flash_attention,
     fp8_gated_mlp,
     fp8_linear,
@@ -33,6 +37,8 @@ from .library import (
 )
 
 __all__ = [
+    "ATTENTION",
+    "ATTENTION_KERNELS",
     "FLASH_ATTENTION",
     "FP8_GATED_MLP",
     "FP8_LINEAR",
@@ -43,6 +49,7 @@ __all__ = [
     "PRX_ATTENTION_CUDNN",
     "PRX_ATTENTION_FLASH4",
     "PRX_ATTENTION_FP8",
+    "attention",
     "flash_attention",
     "fp8_gated_mlp",
     "fp8_linear",

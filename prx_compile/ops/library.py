@@ -18,10 +18,13 @@
   FP8 GEMMs with the quantisations fused (rule ``lowering.fp8_mlp``).
 * ``torch.ops.prx_compile.linear`` — ``F.linear`` run by PyTorch (cuBLAS) between engines (rule
   ``lowering.linear``, in range engine sets: ``CompileConfig.range_linears``).
+* ``torch.ops.prx_compile.attention`` — dense attention in (B, L, H, D) on a named kernel (FLUX's
+  attention, ``FusedFluxAttnProcessor``; rule ``lowering.dense_attention`` names the kernel).
 * ``torch.ops.prx_compile.gelu_gate`` — PRX's MLP gate ``gelu_tanh(x @ Wg.T) * up`` as one cuDNN GEMM
   with the activation in its epilogue (rule ``lowering.gelu_gate``, ``CompileConfig.fuse_mlp_gate``).
 
-The first two take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
+Each is declared in ``registry`` with the role that decides when it stays in PyTorch. The attention
+ops take and return (B, L, H, D) tensors. On CUDA with fp16/bf16 they run PyTorch's flash/cuDNN
 kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, used by CI).
 """
 
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .registry import declare
 
 _LIB = "prx_compile"
 aten = torch.ops.aten
@@ -653,13 +658,55 @@ def _(x, gate_weight, up):
     return up.new_empty(up.shape)
 
 
-FLASH_ATTENTION = torch.ops.prx_compile.flash_attention.default
-JOINT_ATTENTION = torch.ops.prx_compile.joint_attention.default
-PRX_ATTENTION = torch.ops.prx_compile.prx_attention.default
-PRX_ATTENTION_CUDNN = torch.ops.prx_compile.prx_attention_cudnn.default
-PRX_ATTENTION_FLASH4 = torch.ops.prx_compile.prx_attention_flash4.default
-PRX_ATTENTION_FP8 = torch.ops.prx_compile.prx_attention_fp8.default
-FP8_LINEAR = torch.ops.prx_compile.fp8_linear.default
-FP8_GATED_MLP = torch.ops.prx_compile.fp8_gated_mlp.default
-LINEAR = torch.ops.prx_compile.linear.default
-GELU_GATE = torch.ops.prx_compile.gelu_gate.default
+ATTENTION_KERNELS = ("sdpa", "cudnn", "flash4")
+
+
+@torch.library.custom_op(f"{_LIB}::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str) -> torch.Tensor:
+    """Dense attention (no mask) in (B, L, H, D) layout, on the kernel ``kernel`` names: "sdpa"
+    (PyTorch's choice), "cudnn" (cuDNN's fused attention) or "flash4" (FlashAttention-4, Hopper).
+
+    Args:
+        q: (B, Lq, H, D). k, v: (B, Lk, H, D). scale: softmax scale. kernel: as above; a kernel that
+            cannot run here (no CUDA, no package, another dtype) runs the next one down ("flash4" ->
+            "cudnn" -> "sdpa"), the named fallbacks; on a CPU that is PyTorch's exact SDPA.
+
+    Returns:
+        (B, Lq, H, D) contiguous.
+    """
+    _expect(q.dim() == 4, f"q has shape {tuple(q.shape)}, expected (B, L, H, D)")
+    _expect(kernel in ATTENTION_KERNELS, f"kernel {kernel[:20]!r} is not one of {ATTENTION_KERNELS}")
+    b, _, h, d = q.shape
+    lk = _bld("k", k, b, h, d)
+    _expect(_bld("v", v, b, h, d) == lk, "k and v have different lengths")
+    if _flash_supported(q):
+        if kernel == "flash4":
+            from . import flash4_attention
+
+            if flash4_attention.supported(q):
+                out = flash4_attention.kernel()(
+                    q.contiguous(), k.contiguous(), v.contiguous(), softmax_scale=scale
+                )
+                return (out[0] if isinstance(out, tuple) else out).contiguous()
+        if kernel in ("flash4", "cudnn"):
+            return _dense_part(q, k, v, scale)[0].contiguous()
+    return _reference(q, k, v, None, scale).contiguous()
+
+
+@attention.register_fake
+def _(q, k, v, scale, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# -- the registry: every op above, and when TensorRT leaves it to PyTorch ------------------------
+FLASH_ATTENTION = declare(flash_attention, "attention")
+JOINT_ATTENTION = declare(joint_attention, "attention")
+PRX_ATTENTION = declare(prx_attention, "attention")
+PRX_ATTENTION_CUDNN = declare(prx_attention_cudnn, "attention")
+PRX_ATTENTION_FLASH4 = declare(prx_attention_flash4, "attention")
+PRX_ATTENTION_FP8 = declare(prx_attention_fp8, "attention")
+ATTENTION = declare(attention, "attention")
+FP8_LINEAR = declare(fp8_linear, "fp8")
+FP8_GATED_MLP = declare(fp8_gated_mlp, "fp8")
+LINEAR = declare(linear, "linear")
+GELU_GATE = declare(gelu_gate, "linear")

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .library import _prx_attention
+from .library import _prx_attention, attention
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,13 @@ def warm_up(
     shape: tuple[int, int, int] = (1, 64, 16),
     padded: str | None = None,
     gate_width: int | None = None,
+    dense: str | None = None,
 ) -> None:
-    """``prx_attention`` (with ``fp8`` its FP8 variant, with ``padded`` its one-call form on that
-    kernel, "flash4" or "cudnn": FlashAttention-4 compiles its kernel at its first call) with
-    ``heads`` heads of ``head_dim``, in ``dtype`` on ``device``, for ``shape`` = (batch, image
-    tokens, text tokens); then a (batch * image tokens, H*D) x (H*D, H*D) GEMM, and with
+    """The step's attention with ``heads`` heads of ``head_dim``, in ``dtype`` on ``device``, for
+    ``shape`` = (batch, image tokens, text tokens): with ``dense`` (a kernel name) the dense
+    ``attention`` op over all tokens, else ``prx_attention`` (with ``fp8`` its FP8 variant, with
+    ``padded`` its one-call form on that kernel, "flash4" or "cudnn": FlashAttention-4 compiles its
+    kernel at its first call); then a (batch * image tokens, H*D) x (H*D, H*D) GEMM, and with
     ``gate_width`` the MLP gate's fused GEMM (``gelu_gate``: its cuDNN plan is built and picked)."""
     g = torch.Generator(device=device).manual_seed(0)
     width = heads * head_dim
@@ -46,48 +48,34 @@ def warm_up(
     def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=g, device=device, dtype=dt)
 
-    img_qkv, txt_kv = rand(b, seq, 3 * width), rand(b, t, 2 * width)
-    mask = torch.ones(b, t, dtype=torch.bool, device=device)
-    rope = rand(b, 1, seq, head_dim // 2, 2, 2, dt=torch.float32)
-    w = torch.ones(head_dim, dtype=dtype, device=device)
-    out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8, padded)
+    if dense is not None:
+        q = rand(b, seq + t, heads, head_dim)
+        out = attention(q, q, q, head_dim**-0.5, dense).reshape(b, seq + t, width)[:, :seq]
+    else:
+        img_qkv, txt_kv = rand(b, seq, 3 * width), rand(b, t, 2 * width)
+        mask = torch.ones(b, t, dtype=torch.bool, device=device)
+        rope = rand(b, 1, seq, head_dim // 2, 2, 2, dt=torch.float32)
+        w = torch.ones(head_dim, dtype=dtype, device=device)
+        out = _prx_attention(img_qkv, txt_kv, mask, rope, w, w, w, heads, 1e-6, head_dim**-0.5, fp8, padded)
     F.linear(out, rand(width, width))
     if gate_width:
         torch.ops.prx_compile.gelu_gate(out, rand(gate_width, width), rand(b, seq, gate_width))
 
 
-def step_shape(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> tuple[int, int, int] | None:
-    """(batch, image tokens, text tokens) of a PRX step on ``example`` (hidden_states (B, C, H, W),
-    encoder_hidden_states (B, T, C)), or None where the config has no ``patch_size``."""
-    patch = getattr(getattr(model, "config", None), "patch_size", None)
-    hs, ehs = example.get("hidden_states"), example.get("encoder_hidden_states")
-    if not isinstance(patch, int) or patch <= 0 or hs is None or ehs is None or hs.dim() != 4:
-        return None
-    b, _, h, w = hs.shape
-    return b, (h // patch) * (w // patch), ehs.shape[1]
-
-
 def in_background(
-    model: torch.nn.Module,
-    fp8: bool,
-    shape: tuple[int, int, int] | None = None,
-    padded: str | None = None,
-    gelu_gate: bool = False,
+    model: torch.nn.Module, spec, example: dict[str, torch.Tensor], lowering
 ) -> threading.Thread | None:
-    """A started thread that warms up the ops for ``model`` (a PRX transformer on a CUDA device) at
-    ``shape`` (``step_shape``; None: tiny inputs), or None where there is nothing to warm (no CUDA, a
-    config without ``num_heads``). ``join()`` it before the first step; its ``seconds`` attribute
-    then holds how long it took."""
-    config = getattr(model, "config", None)
-    heads, width = getattr(config, "num_heads", None), getattr(config, "hidden_size", None)
-    gates = (
-        [m.weight.shape[0] for n, m in model.named_modules() if n.endswith("gate_proj")] if gelu_gate else []
-    )
+    """A started thread that warms up the ops a step of ``model`` (its ``spec``: a ``ModelSpec``) runs
+    under ``lowering`` (``LoweringSettings``) at the shape of ``example``, or None where there is
+    nothing to warm (no CUDA). ``join()`` it before the first step; its ``seconds`` attribute then
+    holds how long it took."""
     param = next(model.parameters(), None)
-    if not isinstance(heads, int) or not isinstance(width, int) or heads <= 0 or width % heads:
-        return None
     if param is None or param.device.type != "cuda":
         return None
+    heads, head_dim = spec.attention_dims(model)
+    shape = spec.step_tokens(model, example)
+    gate = spec.gate_width(model) if lowering.gelu_gate else None
+    dense = lowering.dense_attention if spec.attention == "dense" else None
     device, dtype = param.device, param.dtype
 
     def run() -> None:
@@ -98,13 +86,14 @@ def in_background(
                 with torch.cuda.stream(stream):
                     warm_up(
                         heads,
-                        width // heads,
+                        head_dim,
                         dtype,
                         device,
-                        fp8,
-                        shape or (1, 64, 16),
-                        padded,
-                        gates[0] if gates else None,
+                        lowering.fp8_attention,
+                        shape,
+                        lowering.padded_attention,
+                        gate,
+                        dense,
                     )
                 stream.synchronize()
         except Exception as e:  # the first real step then pays for it, as before

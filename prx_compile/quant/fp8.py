@@ -1,10 +1,10 @@
 """``precision: fp8``: the transformer blocks' linears as FP8 GEMMs.
 
-    install(transformer)          # block linears -> FP8Linear, in place (as torchao's quantize_ does)
-    requantize(transformer, ["blocks.0.gate_proj.weight"])   # after those weights changed in place
+    install(transformer, spec.fp8_targets)   # block linears -> FP8Linear, in place (as torchao's quantize_)
+    requantize(transformer, names)           # after those weights changed in place
 
-Each targeted ``nn.Linear`` (a block's attention projections ``img_qkv_proj``, ``txt_kv_proj``,
-``to_out.0`` and MLP ``gate_proj``, ``up_proj``, ``down_proj``) becomes an ``FP8Linear``: the same
+Each targeted ``nn.Linear`` (the model's spec names them: ``ModelSpec.fp8_targets``, its blocks'
+attention projections and MLP linears) becomes an ``FP8Linear``: the same
 module with the same ``weight`` parameter (the exact weights, which LoRA merges into), plus two
 non-persistent buffers derived from it, ``weight_fp8`` (out, in) float8_e4m3fn and ``weight_scale``
 (out,) fp32, one scale per output channel. Its forward is ``torch.ops.prx_compile.fp8_linear``:
@@ -22,12 +22,6 @@ import re
 import torch
 
 from ..ops.kernels import FP8_MAX
-
-#: the block linears that run in FP8, by module name
-TARGETS = re.compile(
-    r"^blocks\.\d+\.(attention\.img_qkv_proj|attention\.txt_kv_proj|attention\.to_out\.0|"
-    r"gate_proj|up_proj|down_proj)$"
-)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,14 +80,15 @@ class FP8Linear(torch.nn.Linear):
         return torch.ops.prx_compile.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
 
 
-def install(transformer: torch.nn.Module) -> int:
-    """Replace the block linears of ``transformer`` by ``FP8Linear`` in place (idempotent).
+def install(transformer: torch.nn.Module, targets: re.Pattern) -> int:
+    """Replace the linears of ``transformer`` whose names ``targets`` matches by ``FP8Linear`` in place
+    (idempotent).
 
     Returns how many modules run in FP8. Linears whose sizes FP8 GEMMs cannot take (not multiples of
     16) stay as they are."""
     count = 0
     for name, module in list(transformer.named_modules()):
-        if not TARGETS.match(name) or not isinstance(module, torch.nn.Linear):
+        if not targets.match(name) or not isinstance(module, torch.nn.Linear):
             continue
         if isinstance(module, FP8Linear):
             count += 1
@@ -108,8 +103,8 @@ def install(transformer: torch.nn.Module) -> int:
 
 
 def requantize(transformer: torch.nn.Module, weight_names: list[str] | set[str]) -> int:
-    """Re-quantise the FP8 copies of these parameters (FQNs such as ``blocks.0.gate_proj.weight``);
-    other names are ignored. Returns how many modules were refreshed."""
+    """Re-quantise the FP8 copies of these parameters (weight FQNs); other names are ignored.
+    Returns how many modules were refreshed."""
     modules = dict(transformer.named_modules())
     done = 0
     for fqn in weight_names:

@@ -93,11 +93,11 @@ class Case:
         if self.mask not in MASKS:
             raise ValueError(f"Case.mask={self.mask!r} is not one of {MASKS}")
 
-    def inputs(self, config: Any, dtype: torch.dtype, device: str, seed: int = 0):
+    def inputs(self, model: torch.nn.Module, dtype: torch.dtype, device: str, seed: int = 0):
         from ..export import example_inputs
 
         h, w = (r // self.vae_scale_factor for r in self.resolution)
-        kw = example_inputs(config, self.batch, h, w, self.text_len, dtype=dtype, device=device, seed=seed)
+        kw = example_inputs(model, self.batch, h, w, self.text_len, dtype=dtype, device=device, seed=seed)
         if self.mask == "none":
             kw["attention_mask"] = None
         elif self.mask == "pipeline":
@@ -183,12 +183,13 @@ def _torchao_fp8(model):
     scales) on the same block linears as ``precision: fp8``, on a copy of the model."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    from ..quant.fp8 import TARGETS
+    from ..models import spec_for
 
+    targets = spec_for(model).fp8_targets
     model = copy.deepcopy(model)
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
     quantize_(
-        model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and bool(TARGETS.match(fqn))
+        model, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and bool(targets.match(fqn))
     )
     return torch.compile(model)
 
@@ -243,7 +244,7 @@ def run_bench(
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     env, records, refs = environment(), [], {}
     for case in cases:
-        kw = case.inputs(model.config, dtype, device)
+        kw = case.inputs(model, dtype, device)
         with torch.no_grad():
             refs[case.label()] = (kw, model(**kw, return_dict=False)[0].float())
 

@@ -1,5 +1,8 @@
 """The ``prx-compile`` command (also ``python -m prx_compile``): demo, build, generate, bench, inspect.
 
+``--model`` picks the family: ``prx`` (the default), ``prx-pixel`` (PRXPixel: the same class in pixel
+space, its own pipeline) or ``flux`` (FLUX.1).
+
 Every subcommand has ``--help`` with defaults. Long steps report progress on stderr unless ``--quiet``
 (bars in a terminal, one line per finished step in a log). A user error prints one line with a hint
 and exits with 2; anything unexpected prints one line and exits with 1; ``--debug`` shows the
@@ -27,15 +30,40 @@ MAX_INT_ARG = 1 << 31
 #: the last bound, whatever a message holds).
 MAX_ERROR_CHARS = 1000
 DTYPES = ("bf16", "fp16", "fp32")
-#: The tiny demo model's engine set: its VAE is 1x, so latents are pixels; 16 text tokens.
-TINY = dict(
-    batch=[1, 2],
-    text_len=[1, 16],
-    resolution=32,
-    aspect_bins=[],
-    vae_scale_factor=1,
-    specialize=[[32, 32, 2]],
-)
+#: The tiny demo models' engine sets: their VAE is 1x (PRXPixel has none); the text is 16 tokens (8 for
+#: FLUX, whose pipeline pads to max_sequence_length).
+TINY = {
+    "prx": dict(
+        batch=[1, 2],
+        text_len=[1, 16],
+        resolution=32,
+        aspect_bins=[],
+        vae_scale_factor=1,
+        specialize=[[32, 32, 2]],
+    ),
+    "prx-pixel": dict(
+        batch=[1, 2],
+        text_len=[1, 16],
+        resolution=64,
+        aspect_bins=[],
+        vae_scale_factor=1,
+        specialize=[[64, 64, 2]],
+    ),
+    "flux": dict(
+        batch=[1, 1],
+        text_len=[8, 8],
+        resolution=32,
+        aspect_bins=[],
+        vae_scale_factor=1,
+        specialize=[[32, 32, 1]],
+    ),
+}
+#: --model -> the spec's name, the tiny and the full-size random configs (constructor arguments)
+MODELS = ("prx", "prx-pixel", "flux")
+#: the largest image a command takes, per side in pixels, and the most image tokens one step may have
+#: (checked before anything is loaded; a 2048² PRX step at batch 2 has 32768)
+MAX_PIXELS = 8192
+MAX_STEP_TOKENS = 1 << 17
 
 
 class CLIError(PRXCompileError):
@@ -84,49 +112,116 @@ def _config(args, backend: str, device: str | None = None):
     if getattr(args, "precision", None):
         overrides["precision"] = args.precision
     tiny = not getattr(args, "checkpoint", None) and not getattr(args, "random_full", False)
-    base = args.config if args.config is not None else (TINY if tiny else None)
+    base = args.config if args.config is not None else (TINY[args.model] if tiny else None)
     return CompileConfig.resolve(base, **overrides)
 
 
-def _transformer(args, config):
-    """The transformer to compile: --checkpoint's, the 1.17 B random PRX, or the tiny one."""
-    dtype = _torch_dtype(args, config)
-    if args.checkpoint:
-        from diffusers import PRXTransformer2DModel
+def _family(args) -> str:
+    return {"prx-pixel": "prx"}.get(args.model, args.model)
 
+
+def _check_size(args, config) -> None:
+    """--height/--width: at most MAX_PIXELS, multiples of what the model takes, and a step of at most
+    MAX_STEP_TOKENS image tokens; one line before anything is loaded."""
+    h, w = getattr(args, "height", None), getattr(args, "width", None)
+    if h is None and w is None:
+        return
+    f = config.vae_scale_factor or 1
+    if args.checkpoint:  # its patch size is in a file read later: the pipeline checks the rest
+        multiple = f
+    elif args.model == "flux":
+        multiple = 2 * f  # latents packed 2x2
+    else:
+        from types import SimpleNamespace
+
+        from ..models import SPECS
+
+        spec = SPECS[_family(args)]
+        model = (
+            _full_config(args) if getattr(args, "random_full", False) else _tiny_config(args)
+        ) or spec.tiny
+        multiple = spec.multiple(SimpleNamespace(**{**spec.constructor_defaults(), **model})) * f
+    h, w = h or w, w or h
+    for name, v in (("--height", h), ("--width", w)):
+        if v > MAX_PIXELS or v % multiple:
+            raise CLIError(
+                f"{name} {v}: must be a multiple of {multiple} pixels and at most {MAX_PIXELS}.",
+                f"e.g. {name} {multiple * 16}.",
+            )
+    tokens = (h // multiple) * (w // multiple)
+    if tokens > MAX_STEP_TOKENS:
+        raise CLIError(
+            f"{h}x{w} pixels is {tokens} image tokens a step, more than {MAX_STEP_TOKENS}.",
+            "choose a smaller image.",
+        )
+
+
+def _full_config(args) -> dict:
+    from ..models.flux import DEV
+    from .testing import FULL_PRX, PIXEL_PRX
+
+    return {"prx": FULL_PRX, "prx-pixel": PIXEL_PRX, "flux": DEV}[args.model]
+
+
+def _tiny_config(args) -> dict | None:
+    from .testing import TINY_PIXEL_PRX
+
+    return {"prx": None, "prx-pixel": TINY_PIXEL_PRX, "flux": None}[args.model]
+
+
+def _transformer(args, config):
+    """The transformer to compile: --checkpoint's, the full-size random one of --model, or the tiny one."""
+    from ..models import SPECS
+
+    dtype = _torch_dtype(args, config)
+    spec = SPECS[_family(args)]
+    if args.checkpoint:
         sub = Path(args.checkpoint) / "transformer"
         if not (sub / "config.json").is_file():
             raise CLIError(
-                f"{sub} has no config.json: not a diffusers PRX folder.",
+                f"{sub} has no config.json: not a diffusers pipeline folder.",
                 "pass the folder that holds transformer/config.json, or --tiny.",
             )
-        model = PRXTransformer2DModel.from_pretrained(
+        model = spec.model_class().from_pretrained(
             str(sub), torch_dtype=dtype, local_files_only=True, use_safetensors=True
         )
         return model.to(config.device)
-    from .testing import FULL_PRX, make_prx
+    from .testing import make_model
 
-    return make_prx(
-        FULL_PRX if getattr(args, "random_full", False) else None, dtype=dtype, device=config.device
+    full = getattr(args, "random_full", False)
+    return make_model(
+        _family(args), _full_config(args) if full else _tiny_config(args), dtype=dtype, device=config.device
     )
 
 
 def _pipeline(args, config, dtype):
-    """A PRXPipeline in ``dtype`` from --checkpoint; with --random-full the 1.17 B random PRX with a
-    small random text encoder (256 tokens) and an 8x VAE; else the tiny random one (1x VAE)."""
+    """The pipeline of --model in ``dtype``: from --checkpoint; with --random-full the full-size random
+    transformer with small random text encoders (and an 8x VAE where the model has one); else the tiny
+    random one (1x VAE)."""
+    from . import testing
+
+    model = args.model
     if args.checkpoint:
         from .pipeline import load_pipeline
 
         pipe = load_pipeline(args.checkpoint, torch_dtype=dtype)
     elif getattr(args, "random_full", False):
-        from .testing import FULL_PRX, make_prx, tiny_pipeline
-
-        transformer = make_prx(FULL_PRX, dtype=dtype, device=config.device)
-        pipe = tiny_pipeline(transformer, text_len=256, vae_scale=8).to(dtype=dtype)
+        transformer = testing.make_model(_family(args), _full_config(args), dtype=dtype, device=config.device)
+        make = {"prx": testing.tiny_pipeline, "prx-pixel": testing.tiny_pixel_pipeline}.get(model)
+        if model == "flux":
+            pipe = testing.tiny_flux_pipeline(transformer, text_len=512, vae_scale=8)
+        elif model == "prx":
+            pipe = make(transformer, text_len=256, vae_scale=8)
+        else:
+            pipe = make(transformer, text_len=256)
+        pipe = pipe.to(dtype=dtype)
     else:
-        from .testing import tiny_pipeline
-
-        pipe = tiny_pipeline().to(dtype=dtype)
+        make = {
+            "prx": testing.tiny_pipeline,
+            "prx-pixel": testing.tiny_pixel_pipeline,
+            "flux": testing.tiny_flux_pipeline,
+        }
+        pipe = make[model]().to(dtype=dtype)
     pipe.to(config.device)
     return pipe
 
@@ -148,9 +243,9 @@ def cmd_demo(args) -> int:
     import torch
 
     from .. import compile_prx
-    from ..export import example_inputs, export_prx
+    from ..export import example_inputs, export_step
     from .bench import max_abs_err, rel_err, time_cuda
-    from .testing import TINY_PRX, make_prx
+    from .testing import make_prx
 
     backend = _backend(args)
     device = _device() if backend == "tensorrt" else "cpu"
@@ -166,13 +261,13 @@ def cmd_demo(args) -> int:
         **cfg,
         specialize=[[16, 16, 2]],
     )
-    kw = example_inputs(model.config, 2, 16, 16, 16, masked_tokens=5, dtype=dtype, device=device)
+    kw = example_inputs(model, 2, 16, 16, 16, masked_tokens=5, dtype=dtype, device=device)
     out = ct(**kw, return_dict=False)[0]  # builds
     print(
-        f"prx-compile demo: tiny PRX (depth {TINY_PRX['depth']}, hidden {TINY_PRX['hidden_size']}), "
+        f"prx-compile demo: tiny PRX ({len(model.blocks)} blocks, {ct.spec.width(model)} wide), "
         f"patchify={args.patchify}, {_summary_line(ct)}, on {device} ({str(dtype).split('.')[-1]})"
     )
-    plain, _ = export_prx(model, kw)
+    plain, _ = export_step(model, kw)
     before = Counter(str(n.target) for n in plain.graph.nodes if n.op == "call_function")
     if backend == "tensorrt":
         after = Counter(ct.report()["torch_ops"])
@@ -189,7 +284,7 @@ def cmd_demo(args) -> int:
     print(f"error against eager ({str(dtype).split('.')[-1]}):")
     for masked, label in ((0, "no text token hidden"), (5, "5 of 16 hidden"), (16, "all 16 hidden")):
         kw = example_inputs(
-            model.config, 2, 16, 16, 16, masked_tokens=masked, seed=masked, dtype=dtype, device=device
+            model, 2, 16, 16, 16, masked_tokens=masked, seed=masked, dtype=dtype, device=device
         )
         with torch.no_grad():
             ref = model(**kw, return_dict=False)[0]
@@ -211,8 +306,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_build(args) -> int:
-    """Compile a PRX transformer and write an artifact (weights, engine sets, manifest)."""
-    from .. import compile_prx, save_compiled
+    """Compile the transformer of --model and write an artifact (weights, engine sets, manifest)."""
+    from .. import compile_transformer, save_compiled
     from ..io.artifact import check_target
 
     check_target(Path(args.out), "artifact")  # before minutes of building: is the output usable?
@@ -220,7 +315,7 @@ def cmd_build(args) -> int:
     config = _config(args, backend)
     model = _transformer(args, config)
     t0 = time.perf_counter()
-    ct = compile_prx(model, config=config)
+    ct = compile_transformer(model, config=config)
     ct.build()
     path = save_compiled(ct, args.out)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
@@ -294,35 +389,42 @@ def _warm_up(pipe, height: int, width: int, guidance: float, binning: bool) -> N
     from ..export import example_inputs
 
     if binning:  # the pipeline maps the size to its closest aspect bin first
-        from diffusers.pipelines.prx.pipeline_prx import ASPECT_RATIO_BINS
-
-        bins = ASPECT_RATIO_BINS[pipe.default_sample_size]
-        binned = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins)
+        bins = pipe.transformer.spec.aspect_sizes(pipe.default_sample_size, pipe.transformer.config)
+        ratios = {str(round(h / w, 2)): [h, w] for h, w in bins}
+        binned = pipe.image_processor.classify_height_width_bin(height, width, ratios=ratios)
         if binned != (height, width):  # never a silent jump to another size (and engine set)
             print(
                 f"prx-compile: resolution binning makes {height}x{width} images at {binned[0]}x{binned[1]}, "
-                f"the nearest of PRXPipeline's {pipe.default_sample_size}-px aspect bins; "
+                f"the nearest of the pipeline's {pipe.default_sample_size}-px aspect bins; "
                 f"--no-binning keeps {height}x{width}.",
                 file=sys.stderr,
                 flush=True,
             )
         height, width = binned
-    ct, f = pipe.transformer, pipe.vae_scale_factor
-    batch = 2 if guidance > 1 else 1
-    kw = example_inputs(
-        ct.config,
-        batch,
-        height // f,
-        width // f,
-        pipe.tokenizer.model_max_length,
-        dtype=ct.dtype,
-        device=ct.device,
-    )
+    ct = pipe.transformer
+    spec, f = ct.spec, pipe.vae_scale_factor
+    if spec.name == "flux":  # no guidance batch; the text is padded to max_sequence_length
+        batch, text = 1, ct.compile_config.text_len[1]
+    else:
+        batch, text = (2 if guidance > 1 else 1), _text_tokens(pipe)
+    h, w = spec.point_of_pixels(height, width, f, ct.config)
+    kw = example_inputs(ct.transformer, batch, h, w, text, dtype=ct.dtype, device=ct.device)
     ct.build(kw)
     if ct.device.type == "cuda":
         with torch.no_grad():
             ct(**kw, return_dict=False)
         torch.cuda.synchronize(ct.device)
+
+
+def _text_tokens(pipe) -> int:
+    """The text tokens a PRX pipeline passes: PRXPixel pads to ``prompt_max_tokens``, PRX to its
+    tokenizer's length."""
+    return getattr(pipe.config, "prompt_max_tokens", None) or pipe.tokenizer.model_max_length
+
+
+def _settings(model) -> str:
+    """A model's constructor settings, comparable (lists and tuples alike)."""
+    return json.dumps({k: v for k, v in dict(model.config).items() if not k.startswith("_")}, sort_keys=True)
 
 
 def _pipeline_factory(args):
@@ -334,7 +436,7 @@ def _pipeline_factory(args):
     def factory(device):
         from accelerate import PartialState
 
-        from .. import compile_prx, load_compiled
+        from .. import compile_transformer, load_compiled
         from .generate import CACHE_ENV, default_engine_cache, default_size
 
         backend = _backend(args)
@@ -349,13 +451,16 @@ def _pipeline_factory(args):
             )
         pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
         if loaded is not None:
-            if loaded.config.in_channels != pipe.transformer.config.in_channels:
+            if type(loaded.transformer) is not type(pipe.transformer) or _settings(loaded) != _settings(
+                pipe.transformer
+            ):
                 raise CLIError(
-                    "the artifact's transformer does not fit this pipeline (latent channels differ)."
+                    f"the artifact's transformer ({loaded.spec.name}) does not fit this pipeline "
+                    f"(--model {args.model}: another class, or another configuration)."
                 )
             pipe.transformer = loaded
         elif not args.no_compile:
-            pipe.transformer = compile_prx(pipe.transformer, config=config)
+            pipe.transformer = compile_transformer(pipe.transformer, config=config)
         if not args.no_compile:
             size = default_size(pipe)
             height, width = args.height or size[0], args.width or size[1]
@@ -375,9 +480,9 @@ def cmd_generate(args) -> int:
     if n is not None and n < 1:
         raise CLIError(f"--num-processes {n}: must be 1 or more.", "use 1 per GPU, e.g. --num-processes 2.")
     # what every process would refuse alike is refused here, once, as one line
-    _config(args, _backend(args))
+    _check_size(args, _config(args, _backend(args)))
     if args.checkpoint and not (Path(args.checkpoint) / "model_index.json").is_file():
-        raise CLIError(f"{args.checkpoint} is not a diffusers PRX folder: model_index.json is missing.")
+        raise CLIError(f"{args.checkpoint} is not a diffusers pipeline folder: model_index.json is missing.")
     if args.artifact and not Path(args.artifact).is_dir():
         raise CLIError(f"--artifact {args.artifact}: no such directory.")
     if args.digest and not args.artifact:
@@ -413,8 +518,14 @@ def cmd_generate(args) -> int:
             show_progress=not args.quiet,
         )
     else:
-        # without compiling there is no engine set to take the size from: 32 (tiny, 1x VAE), else 1024
-        eager_size = (1024 if args.checkpoint or args.random_full else 32) if args.no_compile else None
+        # without compiling there is no engine set to take the size from: the tiny model's, else 1024
+        tiny = TINY[args.model]["resolution"]
+        eager_size = (1024 if args.checkpoint or args.random_full else tiny) if args.no_compile else None
+        extra = (
+            {"max_sequence_length": _config(args, _backend(args)).text_len[1]}
+            if args.model == "flux"
+            else {"use_resolution_binning": _binning(args)}
+        )
         summary = generate_images(
             _pipeline_factory(args),
             prompts,
@@ -426,7 +537,7 @@ def cmd_generate(args) -> int:
             seed=args.seed,
             resume=args.resume,
             summary_path=args.summary,
-            pipeline_kwargs={"use_resolution_binning": _binning(args)},
+            pipeline_kwargs=extra,
         )
         import torch.distributed as dist
 
@@ -456,11 +567,17 @@ def cmd_bench(args) -> int:
         plot(result, png)
         print(f"wrote {png}")
         return 0
-    full = args.model == "full"
+    if args.model != "prx":
+        raise CLIError(
+            f"bench times PRX only (its cases carry PRXPipeline's text mask); --model {args.model} is not "
+            "supported here.",
+            "for FLUX use benchmarks/flux.py (README, Performance).",
+        )
+    full = args.size == "full"
     if full and not _cuda():
         raise CLIError(
-            "--model full benchmarks the 1.17 B PRX and needs a CUDA GPU; torch sees none.",
-            "use --model tiny (the default) on this machine.",
+            "--size full benchmarks the 1.17 B PRX and needs a CUDA GPU; torch sees none.",
+            "use --size tiny (the default) on this machine.",
         )
     device = _device()
     dtype = _torch_dtype(args)
@@ -618,10 +735,16 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     def model_args(sp):
+        sp.add_argument(
+            "--model",
+            choices=MODELS,
+            default="prx",
+            help="the model family: prx, prx-pixel (PRXPixel, pixel space) or flux (FLUX.1)",
+        )
         g = sp.add_mutually_exclusive_group()
-        g.add_argument("--checkpoint", help="a local diffusers PRX folder (nothing is downloaded)")
+        g.add_argument("--checkpoint", help="a local diffusers pipeline folder (nothing is downloaded)")
         g.add_argument(
-            "--tiny", action="store_true", help="the built-in tiny random PRX (used when no --checkpoint)"
+            "--tiny", action="store_true", help="the built-in tiny random model (used when no --checkpoint)"
         )
         sp.add_argument(
             "--dtype",
@@ -645,7 +768,9 @@ def parser() -> argparse.ArgumentParser:
     common(b)
     model_args(b)
     b.add_argument(
-        "--random-full", action="store_true", help="the 1.17 B PRX with random weights (benchmarks)"
+        "--random-full",
+        action="store_true",
+        help="the full-size model of --model with random weights (PRX 1.17 B, PRXPixel 7B, FLUX.1 12 B)",
     )
     b.add_argument(
         "--out", required=True, help="artifact directory to write (an existing artifact is replaced)"
@@ -682,7 +807,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--random-full",
         action="store_true",
-        help="the 1.17 B PRX with random weights, a small random text encoder and an 8x VAE (benchmarks)",
+        help="the full-size model of --model with random weights and small random text encoders (benchmarks)",
     )
     g.add_argument(
         "--seed",
@@ -719,8 +844,9 @@ def parser() -> argparse.ArgumentParser:
         "bench", help="benchmark paths in one process: table, JSON and PNG chart", formatter_class=fmt
     )
     common(be)
+    be.add_argument("--model", choices=["prx"], default="prx", help="the model family (PRX only)")
     be.add_argument(
-        "--model", choices=["tiny", "full"], default="tiny", help="full: the 1.17 B PRX (GPU only)"
+        "--size", choices=["tiny", "full"], default="tiny", help="full: the 1.17 B PRX (GPU only)"
     )
     be.add_argument(
         "--paths",

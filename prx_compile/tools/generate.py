@@ -114,10 +114,16 @@ def default_engine_cache() -> str:
 
 def default_size(pipe: Any) -> tuple[int, int] | None:
     """(height, width) in pixels of the compiled transformer's first engine set (its first serving
-    shape), or None when ``pipe.transformer`` is not compiled."""
-    if not isinstance(pipe.transformer, CompiledTransformer) or not pipe.transformer.backends:
+    shape) through the pipeline's VAE; for a set that counts image tokens (FLUX), the config's first
+    ``specialize`` entry (else its resolution²). None when ``pipe.transformer`` is not compiled."""
+    ct = pipe.transformer
+    if not isinstance(ct, CompiledTransformer) or not ct.backends:
         return None
-    _, h, w, _ = pipe.transformer.backends[0].shapes.opt_point()
+    shapes = ct.backends[0].shapes
+    if shapes.tokens:
+        cfg = ct.compile_config
+        return (cfg.specialize[0][0], cfg.specialize[0][1]) if cfg.specialize else (cfg.resolution,) * 2
+    _, h, w, _ = shapes.opt_point()
     return h * pipe.vae_scale_factor, w * pipe.vae_scale_factor
 
 

@@ -1,8 +1,10 @@
-"""Fixtures for tests, notebooks, the demo and benchmarks: PRX models with non-degenerate weights.
+"""Fixtures for tests, notebooks, the demo and benchmarks: models with non-degenerate weights, and tiny
+pipelines (random small text encoders, tokenizers and VAEs; nothing is downloaded).
 
 A freshly constructed PRX is the identity: ``Modulation.lin`` is zero-initialised, so every block's
-gates are 0 and attention cannot change the output. ``make_nondegenerate_`` re-initialises those
-layers; any equivalence check against eager must use it, or it proves nothing.
+gates are 0 and attention cannot change the output. ``make_nondegenerate_`` re-initialises what the
+model's spec names (``ModelSpec.nondegenerate_``); any equivalence check against eager must use it,
+or it proves nothing.
 """
 
 from __future__ import annotations
@@ -14,33 +16,49 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: A PRX small enough for CPU tests (depth 2, hidden 64, 4 heads of 16).
-TINY_PRX: dict[str, Any] = {
-    "in_channels": 4,
-    "patch_size": 2,
-    "context_in_dim": 32,
-    "hidden_size": 64,
-    "mlp_ratio": 2.0,
-    "num_heads": 4,
-    "depth": 2,
-    "axes_dim": [8, 8],
-}
+from ..models import SPECS, spec_for
+from ..models.flux import TINY as TINY_FLUX
+from ..models.prx import PIXEL as PIXEL_PRX
+from ..models.prx import TINY as TINY_PRX
+from ..models.prx import TINY_PIXEL as TINY_PIXEL_PRX
 
 #: diffusers' default PRX (1.17 B parameters): hidden 1792, 28 heads, depth 16, context 2304.
 FULL_PRX: dict[str, Any] = {}
 
 PATCHIFY_FORMS = ("reshape", "fold")
 
+__all__ = ["TINY_PRX", "TINY_PIXEL_PRX", "PIXEL_PRX", "TINY_FLUX", "FULL_PRX"]
+
 
 def make_nondegenerate_(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> torch.nn.Module:
-    """Re-initialise every PRX ``Modulation.lin`` (weight and bias ~ N(0, std)) in place."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "Modulation":
-                for p in (module.lin.weight, module.lin.bias):
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
+    """Re-initialise, in place, what a fresh model of this class leaves at zero (PRX: every
+    ``Modulation.lin``, weight and bias ~ N(0, std)); ``ModelSpec.nondegenerate_``."""
+    return spec_for(model).nondegenerate_(model, std=std, seed=seed)
+
+
+def make_model(
+    name: str = "prx",
+    config: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """A model of family ``name`` ("prx", "flux") with non-degenerate weights, in eval mode; ``config``
+    defaults to the family's tiny one (``ModelSpec.tiny``)."""
+    spec = SPECS[name]
+    torch.manual_seed(seed)
+    model = spec.model_class()(**(spec.tiny if config is None else config))
+    spec.nondegenerate_(model, std=std, seed=seed)
+    if dtype != torch.float32:
+        model = model.to(dtype=dtype)
+    return model.to(device=device).eval()
+
+
+def make_flux(config: dict[str, Any] | None = None, **kwargs: Any) -> torch.nn.Module:
+    """A FLUX transformer (default: the tiny one, ``TINY_FLUX``) with its constructor's random weights."""
+    return make_model("flux", config, **kwargs)
 
 
 def img2seq_fold(img: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -123,7 +141,7 @@ def make_prx(
     cls = _fold_class() if patchify == "fold" else PRXTransformer2DModel
     torch.manual_seed(seed)
     model = cls(**(TINY_PRX if config is None else config))
-    make_nondegenerate_(model, std=std, seed=seed)
+    SPECS["prx"].nondegenerate_(model, std=std, seed=seed)
     if dtype != torch.float32:
         model = model.to(dtype=dtype)
     return model.to(device=device).eval()
@@ -243,4 +261,72 @@ def tiny_pipeline(
         text_encoder=encoder,
         tokenizer=tokenizer,
         vae=tiny_vae(transformer.config.in_channels, seed, scale=vae_scale) if vae else None,
+    )
+
+
+def tiny_pixel_pipeline(transformer: torch.nn.Module | None = None, *, text_len: int = 16, seed: int = 0):
+    """A complete PRXPixelPipeline (pixel space: no VAE) with random small components: the tiny
+    PRXPixel (``TINY_PIXEL_PRX``, or ``transformer``), a one-layer random text encoder and a word-level
+    tokenizer; prompts are padded to ``text_len`` tokens."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, PRXPixelPipeline
+
+    transformer = transformer if transformer is not None else make_prx(TINY_PIXEL_PRX, seed=seed)
+    tokenizer = tiny_tokenizer(text_len)
+    encoder = tiny_text_encoder(len(tokenizer), transformer.config.context_in_dim, seed=seed)
+    return PRXPixelPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=encoder,
+        tokenizer=tokenizer,
+        default_sample_size=1024,
+        prompt_max_tokens=text_len,
+    )
+
+
+def tiny_flux_pipeline(
+    transformer: torch.nn.Module | None = None, *, text_len: int = 8, vae_scale: int = 1, seed: int = 0
+):
+    """A complete FluxPipeline with random small components (CPU-friendly, no download): the tiny FLUX
+    (or ``transformer``), a one-layer CLIP text encoder whose pooled output is the transformer's
+    ``pooled_projection_dim`` wide, a one-layer T5 encoder of its ``joint_attention_dim``, word-level
+    tokenizers, and a ``vae_scale``x VAE. Call it with ``max_sequence_length=text_len``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    transformer = transformer if transformer is not None else make_flux(seed=seed)
+    cfg = transformer.config
+    tokenizer, tokenizer_2 = tiny_tokenizer(text_len), tiny_tokenizer(text_len)
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.pooled_projection_dim,
+            intermediate_size=2 * cfg.pooled_projection_dim,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=max(text_len, 16),
+            projection_dim=cfg.pooled_projection_dim,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        )
+    ).eval()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=cfg.joint_attention_dim,
+            d_kv=8,
+            d_ff=2 * cfg.joint_attention_dim,
+            num_layers=1,
+            num_heads=2,
+        )
+    ).eval()
+    return FluxPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=clip,
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer_2,
+        vae=tiny_vae(cfg.in_channels // 4, seed, scale=vae_scale),
     )

@@ -25,7 +25,7 @@ pytestmark = [
 
 def test_full_model_static_preset_lora_and_artifact(tmp_path):
     model = make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
-    kw = Case((1024, 1024), 2).inputs(model.config, torch.bfloat16, "cuda")
+    kw = Case((1024, 1024), 2).inputs(model, torch.bfloat16, "cuda")
     ref = eager(model, kw)
     ct = compile_prx(model, config="prx-1024-bf16-static")
     base = ct(**kw, return_dict=False)[0].clone()

@@ -56,7 +56,7 @@ def test_a_swapped_submodule_is_read_or_rebuilt(weights, caplog):
     with torch.no_grad():
         new.weight.normal_(std=0.05)
     model.blocks[1].down_proj = new.to("cuda", torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime.module"):
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         check(ct, model)
     # weights: inputs re-binds the engines' inputs; weights: engine holds the old weights: rebuilt
     assert ct.builds == (1 if weights == "inputs" else 2)

@@ -17,7 +17,7 @@ TOL = 2e-2  # bf16 end to end
 
 def inputs(model, batch=2, h=64, w=64, text=64, masked=40, seed=0):
     return example_inputs(
-        model.config, batch, h, w, text, dtype=torch.bfloat16, device="cuda", masked_tokens=masked, seed=seed
+        model, batch, h, w, text, dtype=torch.bfloat16, device="cuda", masked_tokens=masked, seed=seed
     )
 
 
@@ -80,7 +80,7 @@ def test_weights_modes_differ_where_expected(compiled):
 def test_cuda_graphs_capture(compiled):
     model, ct = compiled
     ct(**inputs(model), return_dict=False)
-    runners = list(ct._graphs.values())
+    runners = list(ct.sets.graphs.values())
     assert runners and all(r.captures >= 1 and not r.failures for r in runners), [r.failures for r in runners]
 
 
@@ -121,7 +121,7 @@ def test_on_shape_miss_split_runs_a_larger_batch_through_the_sets_it_has(caplog)
     ct = compile_prx(model, on_shape_miss="split", **RANGE)
     kw = inputs(model, batch=3, masked=20, seed=5)
     sets = [b.shapes.describe() for b in ct.backends]
-    with caplog.at_level("WARNING", logger="prx_compile.runtime.module"):
+    with caplog.at_level("WARNING", logger="prx_compile.runtime"):
         out = ct(**kw, return_dict=False)[0]
     assert out.shape[0] == 3 and not out.isnan().any()
     assert rel_err(out, eager(model, kw)) < TOL

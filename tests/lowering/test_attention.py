@@ -132,6 +132,7 @@ def test_rules_registry_is_ordered_and_documented():
         "fp8_mlp",
         "fp8_attention",
         "padded_attention",
+        "dense_attention",
         "gelu_gate",
         "linear",
     ]

@@ -10,6 +10,8 @@ from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import GELU_GATE, cudnn_attention
 from prx_compile.shapes import ShapeRange
 
+from ..conftest import plan_of
+
 aten = torch.ops.aten
 
 
@@ -85,9 +87,9 @@ def test_config_fuses_only_with_linears_in_pytorch_and_the_frontend(monkeypatch,
     monkeypatch.setattr(cudnn_attention, "installed", lambda: installed)
     static = ShapeRange.static(2, 128, 128, 256, 2)
     cfg = CompileConfig.resolve(None)
-    assert cfg.lowering(static).gelu_gate is installed  # static_linears: torch (the default)
-    assert cfg.lowering(None).gelu_gate is False  # PyTorch backends keep aten.linear
-    assert cfg.replace(static_linears="tensorrt").lowering(static).gelu_gate is False
-    assert cfg.replace(fuse_mlp_gate=False).lowering(static).gelu_gate is False
-    assert cfg.replace(precision="fp8").lowering(static).gelu_gate is False
+    assert plan_of(cfg).lowering(static).gelu_gate is installed  # static_linears: torch (the default)
+    assert plan_of(cfg).lowering(None).gelu_gate is False  # PyTorch backends keep aten.linear
+    assert plan_of(cfg, static_linears="tensorrt").lowering(static).gelu_gate is False
+    assert plan_of(cfg, fuse_mlp_gate=False).lowering(static).gelu_gate is False
+    assert plan_of(cfg, precision="fp8").lowering(static).gelu_gate is False
     assert "fuse_mlp_gate" in cfg.engine_settings()

@@ -41,10 +41,10 @@ def test_fixtures_are_not_degenerate(exported):
 
 
 def test_fold_fixture_exports_im2col_and_col2im():
-    from prx_compile.export import export_prx
+    from prx_compile.export import export_step
     from prx_compile.tools.testing import make_prx
 
     model = make_prx(patchify="fold")
-    ep, _ = export_prx(model, prx_inputs(model))
+    ep, _ = export_step(model, prx_inputs(model))
     targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
     assert {aten.im2col.default, aten.col2im.default} <= targets

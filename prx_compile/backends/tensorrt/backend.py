@@ -1,6 +1,7 @@
 """Torch-TensorRT backend: the exported, lowered step compiled into TensorRT engines.
 
-    export_prx (one block traced; lower, then Torch-TensorRT's decompositions, on it; copied for the others)
+    export_step (one block per list traced; lower, then Torch-TensorRT's decompositions, on it; copied
+    for the others)
         -> torch_tensorrt.dynamo.compile (its own decompositions skipped: done) -> Program
 
 ``torch_tensorrt.dynamo.compile`` is the compiler inside Torch-TensorRT's MutableTorchTensorRTModule;
@@ -40,21 +41,9 @@ import torch
 
 from ... import progress, schema
 from ...errors import ArtifactError, LoRAError, PRXCompileError
-from ...export import ACTIVATIONS, export_prx, weight_tensors
+from ...export import export_step, weight_tensors
 from ...lowering import ENGINE_RULES, lower
-from ...ops import (
-    FLASH_ATTENTION,
-    FP8_GATED_MLP,
-    FP8_LINEAR,
-    GELU_GATE,
-    JOINT_ATTENTION,
-    LINEAR,
-    PRX_ATTENTION,
-    PRX_ATTENTION_CUDNN,
-    PRX_ATTENTION_FLASH4,
-    PRX_ATTENTION_FP8,
-    warm_up,
-)
+from ...ops import warm_up
 from ..base import Backend, BackendState, SetReport
 from . import shim
 from .program import Program, from_graph_module
@@ -62,7 +51,7 @@ from .repeats import SharedEngines
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9_]{1,100}")
-_STEP_PREFIX = "model."  # PRXStep holds the transformer as ``model`` (weights="engine")
+_STEP_PREFIX = "model."  # export.Step holds the transformer as ``model`` (weights="engine")
 
 
 class TensorRTBackend(Backend):
@@ -96,25 +85,10 @@ class TensorRTBackend(Backend):
             "immutable_weights": cfg.weights == "inputs",  # "engine": refittable
             "device": _cuda_device(cfg.device),
         }
-        kept = (
-            {
-                PRX_ATTENTION,
-                PRX_ATTENTION_CUDNN,
-                PRX_ATTENTION_FLASH4,
-                PRX_ATTENTION_FP8,
-                JOINT_ATTENTION,
-                FLASH_ATTENTION,
-            }
-            if cfg.attention != "tensorrt"
-            else set()
-        )
-        if cfg.precision == "fp8":  # FP8 GEMMs: torch._scaled_mm (TensorRT-RTX's FP8 is slow on Hopper)
-            kept |= {FP8_LINEAR, FP8_GATED_MLP}
-        linears_in_torch = cfg.linears_in_torch(self.shapes)
-        if linears_in_torch:  # the GEMMs: cuBLAS (rule ``linear``), the MLP gate's cuDNN (``gelu_gate``)
-            kept |= {LINEAR, GELU_GATE}
+        kept = self.plan.kept_ops(self.shapes)  # ops.registry: attention, FP8 GEMMs, cuBLAS linears
         if kept:
             required["torch_executed_ops"] = kept
+        linears_in_torch = self.plan.linears_in_torch(self.shapes)
         optional: dict[str, Any] = {"decompose_attention": False, "use_explicit_typing": True}
         if cfg.precision == "fp8" or linears_in_torch:
             optional["min_block_size"] = 1  # the few ops between two GEMM ops (GELU * up, a residual)
@@ -135,25 +109,22 @@ class TensorRTBackend(Backend):
         times = self.timings = {}
         # the ops kept in PyTorch get their kernels compiled while the engines build
         fused = cfg.attention == "fused"
+        lowering = self.plan.lowering(self.shapes)
         warming = None
         if fused:
-            shape = warm_up.step_shape(self.model, example)
-            lowering = cfg.lowering(self.shapes)
-            warming = warm_up.in_background(
-                self.model, lowering.fp8_attention, shape, lowering.padded_attention, lowering.gelu_gate
-            )
+            warming = warm_up.in_background(self.model, self.spec, example, lowering)
         settings = self.settings()
 
         def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             """Our rules, then Torch-TensorRT's decompositions: on one block, before it is copied."""
             with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-                lower(ep.graph_module, cfg.lowering(self.shapes))
+                lower(ep.graph_module, lowering)
             with progress.stage("decompose (Torch-TensorRT's table)", times, "decompose_s"):
                 return ep.run_decompositions(shim.decompositions(settings))
 
         t_export = time.perf_counter()
         with progress.stage(f"export ({self.shapes.describe()}), lowering and decomposition included"):
-            ep, names = export_prx(
+            ep, names = export_step(
                 self.model,
                 example,
                 self.shapes,
@@ -180,7 +151,7 @@ class TensorRTBackend(Backend):
             shim.decomposed(ep),  # by ``prepare``
             torch.no_grad(),
         ):
-            kwarg_inputs: dict[str, Any] = {k: example[k] for k in ACTIVATIONS}
+            kwarg_inputs: dict[str, Any] = {k: example[k] for k in self.spec.inputs(self.model)}
             if names is not None:  # shapes only (Input.from_tensor would hold every weight)
                 params = weight_tensors(self.model)
                 kwarg_inputs["weights"] = [
@@ -190,7 +161,7 @@ class TensorRTBackend(Backend):
             if sharing is not None:
                 sharing.finish(gm)  # the engines still converting in threads
         self.program, self.engines, self.constants = program_of(
-            gm, shim.engine_classes(), names, weight_tensors(self.model)
+            gm, shim.engine_classes(), names, weight_tensors(self.model), self.spec.inputs(self.model)
         )
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
@@ -272,22 +243,27 @@ class TensorRTBackend(Backend):
         return BackendState(meta, blobs, dict(self.constants))
 
     @classmethod
-    def from_state(cls, model, config, shapes, state: BackendState) -> TensorRTBackend:
+    def from_state(cls, model, plan, shapes, state: BackendState) -> TensorRTBackend:
         meta = schema.check(_STATE, state.meta, "tensorrt backend state")
         if meta["kind"] != cls.kind:
             raise ValueError(f"a backend state of kind {meta['kind']!r} is not a {cls.kind!r} one")
+        config = plan.config
         if meta["weights"] != config.weights:
             raise ValueError(f"weights={meta['weights']!r} does not match the config's {config.weights!r}")
         records = meta["engines"]
         params = set(weight_tensors(model))
         provenance = _check_provenance(meta["provenance"], params)
         program = Program.from_json(
-            meta["program"], engines=set(records), params=params, constants=set(state.tensors)
+            meta["program"],
+            engines=set(records),
+            params=params,
+            constants=set(state.tensors),
+            inputs=plan.spec.inputs(model),
         )
         extra = set(state.blobs) - {f"{n}.{s}" for n in records for s in ("engine", "rtcache")}
         if extra:
             raise ValueError(f"unexpected files {sorted(extra)[:3]}")
-        backend = cls(model, config, shapes)
+        backend = cls(model, plan, shapes)
         device = _cuda_device(config.device)
         for name in records:
             if f"{name}.engine" not in state.blobs:
@@ -433,6 +409,7 @@ def program_of(
     engine_classes: tuple[type, ...],
     weight_names: list[str] | None,
     params: dict[str, torch.Tensor],
+    inputs: tuple[str, ...],
 ) -> tuple[Program, dict[str, torch.nn.Module], dict[str, torch.Tensor]]:
     """(Program, engines by name, constants) of Torch-TensorRT's partitioned module.
 
@@ -444,7 +421,7 @@ def program_of(
     first_name: dict[int, str] = {}
     canonical = {n: first_name.setdefault(id(m), n) for n, m in children.items()}
     program, constants = from_graph_module(
-        gm, engines=set(children), weight_names=weight_names, params=params
+        gm, engines=set(children), weight_names=weight_names, params=params, inputs=inputs
     )
     program.steps = [
         dataclasses.replace(st, engine=canonical[st.engine]) if st.op == "engine" else st

@@ -8,10 +8,12 @@ Torch-TensorRT leave between engines. Every op there is functional (no in-place,
 on tensors in memory; none reads or writes a file. No Python code is generated from a Program and no
 name is resolved outside that table.
 
-Values are named ``in:<activation>`` (a forward input), ``w:<parameter FQN>`` (a parameter of the
-transformer, read live at every call), ``c:<name>`` (a constant tensor) or ``v<n>`` (a step's result).
+Values are named ``in:<input>`` (one of the step's inputs, ``ModelSpec.inputs``), ``w:<parameter
+FQN>`` (a parameter of the transformer, read live at every call), ``c:<name>`` (a constant tensor) or
+``v<n>`` (a step's result).
 Arguments are JSON: ``{"ref": value}``, numbers, booleans, null, ``{"list": [...]}``,
-``{"tuple": [...]}``, ``{"float": "inf"|"-inf"|"nan"}`` and ``{"dtype": name}``.
+``{"tuple": [...]}``, ``{"float": "inf"|"-inf"|"nan"}``, ``{"dtype": name}`` and ``{"str": word}`` (an
+op's option such as a kernel name: at most 20 of ``[a-z0-9_]``).
 """
 
 from __future__ import annotations
@@ -28,26 +30,14 @@ import torch
 import torch.fx as fx
 
 from ... import schema
-from ...export import ACTIVATIONS
+from ...ops import registry
 
 aten = torch.ops.aten
 
 
 def _ops() -> dict[str, Callable]:
-    import prx_compile.ops  # noqa: F401  (registers torch.ops.prx_compile.*)
-
-    prx = torch.ops.prx_compile
     overloads = [
-        prx.prx_attention.default,
-        prx.prx_attention_fp8.default,
-        prx.prx_attention_cudnn.default,
-        prx.prx_attention_flash4.default,
-        prx.joint_attention.default,
-        prx.flash_attention.default,
-        prx.fp8_linear.default,
-        prx.fp8_gated_mlp.default,
-        prx.linear.default,
-        prx.gelu_gate.default,
+        *registry.overloads(),  # every op prx_compile keeps in PyTorch, declared once
         aten.sym_size.int,
         aten.view.default,
         aten.reshape.default,
@@ -101,6 +91,7 @@ BOOKKEEPING = {"operator.getitem", "aten.sym_size.int"} | {k for k in OPS if k.s
 
 _VALUE = re.compile(r"in:[a-z_]+|w:[A-Za-z0-9_.]{1,200}|c:[A-Za-z0-9_.]{1,200}|v[0-9]{1,7}")
 _ENGINE = re.compile(r"[A-Za-z0-9_]{1,100}")
+_WORD = re.compile(r"[a-z0-9_]{1,20}")
 _DTYPES = {
     str(d).split(".")[-1]: d
     for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
@@ -125,7 +116,7 @@ _STEP = schema.Dict(
 )
 _PROGRAM = schema.Dict(
     {
-        "inputs": schema.List(schema.Str(40, choices=tuple(ACTIVATIONS)), max_len=len(ACTIVATIONS)),
+        "inputs": schema.List(schema.Str(40, pattern=r"[a-z_]{1,40}", what="an input name"), max_len=16),
         "steps": schema.List(_STEP, max_len=_MAX_STEPS),
         "output": _ARG,
         "segments": schema.Int(0, _MAX_STEPS),
@@ -193,6 +184,8 @@ class Program:
                     return tuple(val(x) for x in v)
                 if kind == "float":
                     return float(v)
+                if kind == "str":
+                    return v
                 return _DTYPES[v]
             return a
 
@@ -295,17 +288,24 @@ class Program:
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, engines: set[str], params: set[str], constants: set[str]) -> Program:
+    def from_json(
+        cls, data: Any, *, engines: set[str], params: set[str], constants: set[str], inputs: tuple[str, ...]
+    ) -> Program:
         """A validated Program; ProgramError naming the field for anything unexpected.
 
-        engines, params, constants: the names that exist (engine files, the transformer's parameter
-        FQNs, saved constants). Every reference must name one of them or an earlier step's result.
+        engines, params, constants, inputs: the names that exist (engine files, the transformer's
+        parameter FQNs, saved constants, the model's step inputs). Every reference must name one of
+        them or an earlier step's result.
         """
         try:  # the shape of every field; what the names refer to is checked below
             schema.check(_PROGRAM, data, "program")
         except schema.SchemaError as e:
             raise ProgramError(str(e)) from e
+        allowed = inputs
         inputs, steps_data = data["inputs"], data["steps"]
+        unknown = [n for n in inputs if n not in allowed]
+        if unknown or len(set(inputs)) != len(inputs):
+            raise ProgramError(f"program.inputs {[n[:40] for n in inputs][:8]} are not inputs of this model")
         known = {
             "in": set(inputs),
             "w": params,
@@ -451,6 +451,9 @@ def _check_arg(a: Any, known: dict[str, set[str]], defined: set[str], where: str
     elif kind == "dtype":
         if not isinstance(v, str) or v not in _DTYPES:
             raise ProgramError(f"{where}: dtype {str(v)[:20]!r} is not one of {sorted(_DTYPES)}")
+    elif kind == "str":
+        if not isinstance(v, str) or not _WORD.fullmatch(v):
+            raise ProgramError(f"{where}: string {str(v)[:20]!r} is not a word of [a-z0-9_] (at most 20)")
     else:
         raise ProgramError(f"{where}: argument kind {str(kind)[:20]!r} is not allowed")
 
@@ -462,10 +465,11 @@ def from_graph_module(
     engines: set[str],
     weight_names: list[str] | None,
     params: Mapping[str, torch.Tensor],
+    inputs: tuple[str, ...],
 ) -> tuple[Program, dict[str, torch.Tensor]]:
     """The Program of a partitioned GraphModule, and the constants it needs.
 
-    gm: Torch-TensorRT's output: placeholders (``ACTIVATIONS``, then ``weights_<i>``), engine
+    gm: Torch-TensorRT's output: placeholders (``inputs``, the step's, then ``weights_<i>``), engine
         children (``engines``), PyTorch segments (GraphModule children, inlined here), getitem.
     weight_names: parameter FQNs in ``weights_<i>`` order (None when weights are baked in).
     params: the transformer's parameters by FQN: a ``get_attr`` of one of them (same storage)
@@ -476,7 +480,7 @@ def from_graph_module(
     by_storage = {(p.data_ptr(), tuple(p.shape), p.dtype, tuple(p.stride())): n for n, p in params.items()}
     constants: dict[str, torch.Tensor] = {}
     steps: list[Step] = []
-    inputs: list[str] = []
+    allowed, inputs = inputs, []
     segments = 0
 
     def tensor_ref(t: torch.Tensor, hint: str) -> dict:
@@ -501,6 +505,8 @@ def from_graph_module(
             return {"dtype": name}
         if isinstance(a, float) and not math.isfinite(a):
             return {"float": str(a)}
+        if isinstance(a, str) and _WORD.fullmatch(a):  # an op's option, such as a kernel's name
+            return {"str": a}
         if a is None or isinstance(a, (bool, int, float)):
             return a
         if isinstance(a, torch.memory_format) and a == torch.contiguous_format:
@@ -518,7 +524,7 @@ def from_graph_module(
             if node.op == "placeholder":
                 if not top:
                     continue  # bound by the caller
-                if node.name in ACTIVATIONS:
+                if node.name in allowed:
                     inputs.append(node.name)
                     env[node] = {"ref": "in:" + node.name}
                 elif weight_names is not None and re.fullmatch(r"weights_[0-9]+", node.name):
