@@ -19,10 +19,15 @@ def test_presets_exist_and_load():
         "prx-1024-bf16-distilled",
     ):
         assert required in names
+    from prx_compile.tools.testing import TINY_PIXEL_PRX, make_flux, make_prx
+
+    models = {"prx": make_prx(), "prx-pixel": make_prx(TINY_PIXEL_PRX), "flux": make_flux()}
     for n in names:
         cfg = CompileConfig.resolve(n)
         assert cfg.dtype == "bf16" and cfg.weights == "inputs" and cfg.attention == "fused"
-        assert plan_of(cfg).shape_sets()
+        assert cfg.model in ("prx", "flux")  # every preset names its model
+        family = "prx-pixel" if n.startswith("prx-pixel") else cfg.model
+        assert plan_of(cfg, models[family]).shape_sets()
 
 
 def test_default_is_the_1024_preset_without_a_dtype():

@@ -103,8 +103,8 @@ def test_install_swaps_the_block_linears_in_place_and_keeps_the_weights():
     model = make_prx()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     weight = model.blocks[0].gate_proj.weight
-    assert fp8.install(model, PRX.fp8_targets) == 6 * len(model.blocks)
-    assert fp8.install(model, PRX.fp8_targets) == 6 * len(model.blocks)  # idempotent
+    assert fp8.install(model, PRX.block_linears) == 6 * len(model.blocks)
+    assert fp8.install(model, PRX.block_linears) == 6 * len(model.blocks)  # idempotent
     assert isinstance(model.blocks[0].attention.to_out[0], fp8.FP8Linear)
     for kept in (model.img_in, model.blocks[0].modulation.lin, model.final_layer.linear):
         assert not isinstance(kept, fp8.FP8Linear)
@@ -157,7 +157,7 @@ def test_lora_requantises_and_switches_exactly():
     # the same LoRA merged into a fresh model, quantised afterwards: the same numbers
     ref = make_prx()
     load_lora(ref, a, "a")
-    fp8.install(ref, PRX.fp8_targets)
+    fp8.install(ref, PRX.block_linears)
     torch.testing.assert_close(out_a, eager(ref, kw), rtol=0, atol=1e-5)
     assert (out_a - out0).abs().max() > 1e-3
     load_lora(ct, b, "b")
@@ -171,7 +171,7 @@ def test_lora_requantises_and_switches_exactly():
 
 def test_lora_on_an_fp8_model_without_compiling():
     model = make_prx()
-    fp8.install(model, PRX.fp8_targets)
+    fp8.install(model, PRX.block_linears)
     kw = prx_inputs(model, h=16, w=16)
     out0 = eager(model, kw)
     load_lora(model, make_random_lora(model, 4, seed=3, std=0.1), "a")
@@ -238,7 +238,7 @@ def test_weights_edited_in_place_are_requantised_at_the_next_call():
     ct(**kw, return_dict=False)
     other = make_prx(seed=5)
     model.load_state_dict(other.state_dict())  # in place, outside load_lora
-    fp8.install(other, PRX.fp8_targets)
+    fp8.install(other, PRX.block_linears)
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], eager(other, kw), rtol=0, atol=1e-5)
     with torch.no_grad():  # once more, one weight: the version counters seen last time moved again
         name = next(n for n, m in model.named_modules() if isinstance(m, fp8.FP8Linear))

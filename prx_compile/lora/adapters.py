@@ -664,17 +664,16 @@ def make_random_lora(
     layout: str = "peft",
     alpha: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A random LoRA state dict for the model's block linears (tests, demos, benchmarks); ``targets``
-    (module-name suffixes) default to the spec's ``lora_targets``.
+    """A random LoRA state dict for the model's linears (tests, demos, benchmarks): those whose names
+    end with one of ``targets``, or by default the blocks' linears (``ModelSpec.block_linears``).
 
     layout "peft": ``transformer.<module>.lora_A.weight``; "kohya": ``lora_unet_<module>.lora_down.weight``.
     """
-    if targets is None:
-        targets = spec_for(model).lora_targets
+    block_linears = spec_for(model).block_linears if targets is None else None
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for n, m in _linear_names(model).items():
-        if not any(n.endswith(t) for t in targets):
+        if not (block_linears.match(n) if block_linears is not None else any(n.endswith(t) for t in targets)):
             continue
         a = torch.randn(rank, m.in_features, generator=g) * std
         b = torch.randn(m.out_features, rank, generator=g) * std

@@ -48,8 +48,8 @@ class ModelSpec(abc.ABC):
         name: the short name (``CompileConfig.model``, ``prx-compile --model``).
         class_name: the diffusers class (``diffusers.<class_name>``).
         blocks: the repeated block lists, in call order.
-        fp8_targets: module names (regex) of the linears that run FP8 GEMMs with ``precision: fp8``.
-        lora_targets: module-name suffixes a random LoRA covers (demos, tests, benchmarks).
+        block_linears: module names (regex) of the blocks' linears: those that run FP8 GEMMs with
+            ``precision: fp8``, and those a random LoRA covers (demos, tests, benchmarks).
         tokens: the step's image axis counts packed tokens (``ShapeRange.tokens``), not a grid.
         defaults: ``CompileConfig`` values this model gets where the config leaves them unset.
         bins: aspect-ratio bin families, as ``{family: [(height, width) in pixels, ...]}``.
@@ -59,8 +59,7 @@ class ModelSpec(abc.ABC):
     name: str = ""
     class_name: str = ""
     blocks: tuple[BlockList, ...] = ()
-    fp8_targets: re.Pattern = re.compile(r"(?!)")
-    lora_targets: tuple[str, ...] = ()
+    block_linears: re.Pattern = re.compile(r"(?!)")
     tokens: bool = False
     defaults: dict[str, Any] = {}
     bins: dict[int, list[tuple[int, int]]] = {}

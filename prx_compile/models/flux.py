@@ -146,23 +146,7 @@ class FluxSpec(ModelSpec):
         BlockList("transformer_blocks", ("encoder_hidden_states", "hidden_states")),
         BlockList("single_transformer_blocks", ("encoder_hidden_states", "hidden_states")),
     )
-    fp8_targets = re.compile(rf"^({_BLOCK_LINEARS}|{_SINGLE_LINEARS})$")
-    lora_targets = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_out.0",
-        "attn.to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-        "proj_mlp",
-        "proj_out",
-    )
+    block_linears = re.compile(rf"^({_BLOCK_LINEARS}|{_SINGLE_LINEARS})$")
     tokens = True
     dtype_inputs = ("hidden_states", "encoder_hidden_states", "pooled_projections")
     defaults = {"batch": [1, 1], "text_len": [512, 512], "resolution": 1024, "vae_scale_factor": 8}
@@ -339,14 +323,85 @@ class FluxSpec(ModelSpec):
         return int(model.config.num_attention_heads * model.config.attention_head_dim)
 
     def convert_lora(self, state_dict):
-        """kohya's FLUX files name the original model's layers (``lora_unet_double_blocks_0_img_attn_qkv``,
-        q, k and v fused): diffusers' public ``FluxLoraLoaderMixin.lora_state_dict`` converts them to
-        its own layout (alpha folded into the matrices). Other layouts pass as they are."""
+        """kohya's FLUX files (sd-scripts) name the original model's layers, with q, k and v (and, in
+        the single blocks, the MLP's input) fused in one matrix: ``lora_unet_double_blocks_0_img_attn_qkv``.
+        Each becomes diffusers' layers: the shared down matrix, the up matrix's rows split by the
+        layers' widths (read from the model's config), alpha kept. Other layouts pass as they are."""
         if not any(
             k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) for k in state_dict
         ):
             return state_dict
-        from diffusers.loaders import FluxLoraLoaderMixin
+        return _kohya_to_diffusers(state_dict)
 
-        converted = FluxLoraLoaderMixin.lora_state_dict(dict(state_dict))
-        return {k: v for k, v in converted.items() if k.startswith("transformer.")}
+
+#: kohya (BFL) layer name -> diffusers' module(s) it stands for, by block ("{i}")
+_DOUBLE = {
+    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn_proj": ("attn.to_out.0",),
+    "img_mlp_0": ("ff.net.0.proj",),
+    "img_mlp_2": ("ff.net.2",),
+    "img_mod_lin": ("norm1.linear",),
+    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn_proj": ("attn.to_add_out",),
+    "txt_mlp_0": ("ff_context.net.0.proj",),
+    "txt_mlp_2": ("ff_context.net.2",),
+    "txt_mod_lin": ("norm1_context.linear",),
+}
+_SINGLE = {
+    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    "linear2": ("proj_out",),
+    "modulation_lin": ("norm.linear",),
+}
+_TOP = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer_linear": "proj_out",
+}
+_KOHYA_KEY = re.compile(r"^lora_unet_(?P<layer>.+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)$")
+_BLOCK = re.compile(r"^(?P<kind>double|single)_blocks_(?P<i>\d+)_(?P<name>.+)$")
+
+
+def _kohya_to_diffusers(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """See ``FluxSpec.convert_lora``. Keys it does not know pass unchanged (``parse_lora`` reports
+    them, or refuses them with ``strict``); a fused up matrix split into parts it does not divide
+    evenly (q, k, v of one width, the MLP the rest) is a ValueError."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state_dict.items():
+        m = _KOHYA_KEY.match(key)
+        block = _BLOCK.match(m["layer"]) if m else None
+        if block is not None:
+            double = block["kind"] == "double"
+            blocks = "transformer_blocks" if double else "single_transformer_blocks"
+            names = (_DOUBLE if double else _SINGLE).get(block["name"], ())
+            targets = [f"{blocks}.{block['i']}.{name}" for name in names]
+        elif m is not None and m["layer"] in _TOP:
+            targets = [_TOP[m["layer"]]]
+        else:
+            targets = []
+        if not targets:
+            out[key] = t
+            continue
+        part = m["part"]
+        if part == "lora_up.weight" and len(targets) > 1:
+            down = state_dict.get(key.replace("lora_up.weight", "lora_down.weight"))
+            if t.dim() != 2 or not isinstance(down, torch.Tensor) or down.dim() != 2:
+                raise ValueError(f"{key} and its lora_down must be matrices")
+            rows, width = t.shape[0], down.shape[1]  # q, k and v are as wide as the layer's input
+            sizes = [width] * 3 + ([rows - 3 * width] if len(targets) == 4 else [])
+            if sum(sizes) != rows or min(sizes) < 1:
+                raise ValueError(f"{key}: {rows} rows do not split into {targets} ({sizes})")
+            for target, piece in zip(targets, t.split(sizes), strict=True):
+                out[f"transformer.{target}.lora_B.weight"] = piece.contiguous()
+            continue
+        name = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight", "alpha": "alpha"}[
+            part
+        ]
+        for target in targets:
+            out[f"transformer.{target}.{name}"] = t
+    return out

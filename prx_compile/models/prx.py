@@ -198,11 +198,10 @@ class PRXSpec(ModelSpec):
     name = "prx"
     class_name = "PRXTransformer2DModel"
     blocks = (BlockList("blocks", ("hidden_states",)),)
-    fp8_targets = re.compile(
+    block_linears = re.compile(
         r"^blocks\.\d+\.(attention\.img_qkv_proj|attention\.txt_kv_proj|attention\.to_out\.0|"
         r"gate_proj|up_proj|down_proj)$"
     )
-    lora_targets = ("img_qkv_proj", "txt_kv_proj", "to_out.0", "gate_proj", "up_proj", "down_proj")
     defaults = {"batch": [1, 2], "text_len": [1, 256], "resolution": 1024, "vae_scale_factor": 8}
     size_keys = {"depth": 256}
     tiny = TINY

@@ -1,9 +1,9 @@
 """``precision: fp8``: the transformer blocks' linears as FP8 GEMMs.
 
-    install(transformer, spec.fp8_targets)   # block linears -> FP8Linear, in place (as torchao's quantize_)
+    install(transformer, spec.block_linears)   # block linears -> FP8Linear, in place (as torchao's quantize_)
     requantize(transformer, names)           # after those weights changed in place
 
-Each targeted ``nn.Linear`` (the model's spec names them: ``ModelSpec.fp8_targets``, its blocks'
+Each targeted ``nn.Linear`` (the model's spec names them: ``ModelSpec.block_linears``, its blocks'
 attention projections and MLP linears) becomes an ``FP8Linear``: the same
 module with the same ``weight`` parameter (the exact weights, which LoRA merges into), plus two
 non-persistent buffers derived from it, ``weight_fp8`` (out, in) float8_e4m3fn and ``weight_scale``

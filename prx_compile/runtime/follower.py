@@ -148,7 +148,7 @@ class ChangeFollower:
         model, watch, sets = self.model, self.watch, self.sets
         plan = sets.plan
         if plan.config.precision == "fp8":  # a swapped block linear becomes FP8 again; a cast one too
-            fp8.install(model, plan.spec.fp8_targets)
+            fp8.install(model, plan.spec.block_linears)
             self.fp8 = FP8Keeper(self._fp8_modules())
             for module in self.fp8.modules:
                 module.requantize()

@@ -503,7 +503,7 @@ def _install_precision(transformer: torch.nn.Module, plan: Plan) -> None:
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}.",
             "use precision: dtype on this GPU.",
         )
-    if not fp8.install(transformer, spec.fp8_targets):
+    if not fp8.install(transformer, spec.block_linears):
         raise ConfigError("precision=fp8: no block linear of this transformer can run in FP8.")
 
 
@@ -558,6 +558,8 @@ def compile_transformer(
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)
+    if cfg.model is not None and cfg.model != spec.name:  # a preset for another model: before the rest
+        Plan.resolve(cfg, transformer, spec)
     dtype = next(transformer.parameters()).dtype
     if cfg.dtype is not None and cfg.torch_dtype() != dtype:
         raise ConfigError(

@@ -185,7 +185,7 @@ def _torchao_fp8(model):
 
     from ..models import spec_for
 
-    targets = spec_for(model).fp8_targets
+    targets = spec_for(model).block_linears
     model = copy.deepcopy(model)
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
     quantize_(
