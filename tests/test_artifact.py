@@ -834,3 +834,20 @@ def test_a_listed_file_no_load_reads_is_refused_before_hashing(artifact):
     rehash(artifact, "extra.bin")  # listed with its true size and hashes, as a tamperer could
     with pytest.raises(ArtifactError, match=r"lists files no load reads \(extra.bin\)"):
         load_compiled(artifact)
+
+
+def test_an_artifact_saves_into_a_folder_reached_through_a_link(saved, tmp_path):
+    """0.16 refused a user's own linked working folder ("cannot open the lock file ... remove it if
+    it is a link"); the artifact path itself being a link is still refused."""
+    ct = load_compiled(saved[0])
+    kw, want = saved[1], saved[3]
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "work").symlink_to(real)
+    path = save_compiled(ct, tmp_path / "work" / "linked.art")
+    assert (real / "linked.art" / "manifest.json").is_file()
+    assert torch.equal(load_compiled(path)(**kw, return_dict=False)[0], want)
+    save_compiled(ct, tmp_path / "work" / "linked.art")  # replaced in place, through the link
+    (tmp_path / "art-link").symlink_to(real / "linked.art")
+    with pytest.raises(ArtifactError, match="is a symbolic link"):
+        save_compiled(ct, tmp_path / "art-link")

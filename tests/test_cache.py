@@ -147,3 +147,22 @@ def test_a_shared_cache_is_a_setting(cache, monkeypatch):
 
     with pytest.raises(ArtifactError, match="is a symbolic link"):
         check_trusted(link)
+
+
+def test_a_cache_directory_given_as_a_link_stores_and_hits(tmp_path, monkeypatch):
+    """0.16 never stored an entry through a linked cache root (the folder lock refused the link) and
+    built again every time; the user's own linked folder is fine, entries stay refused as links."""
+    monkeypatch.delenv(SHARED_ENV, raising=False)
+    real = tmp_path / "real-cache"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "cache-link"
+    link.symlink_to(real)
+    ct, hit = run(link)
+    assert not hit and (real / ct.cache_hits[0]["key"] / MANIFEST).is_file()
+    _, hit = run(link)
+    assert hit  # loaded from the entry stored through the link
+    entry = real / ct.cache_hits[0]["key"]
+    moved = entry.rename(tmp_path / "elsewhere")
+    entry.symlink_to(moved)  # an entry that is a link is still never followed
+    with pytest.raises(ArtifactError, match="symbolic link"):
+        run(link)

@@ -236,3 +236,34 @@ def test_a_set_too_large_for_the_device_is_refused_before_its_first_call():
         check_memory([small, big], model, SPECS["prx"], free_bytes=2**30)
     with pytest.raises(ValueError, match="tokens a step, more than"):
         ShapeRange.from_dict({**big.to_dict(), "batch": [1, 256]})
+
+
+def _split(n):
+    """One element of the input viewed as (n,), then split into n views of one."""
+    return [
+        ("aten.slice.Tensor", [X, 0, 0, 1], {}),
+        ("aten.view.default", [{"ref": "v0"}, {"list": [-1]}], {}),
+        ("aten.slice.Tensor", [{"ref": "v1"}, 0, 0, 1], {}),
+        ("aten.expand.default", [{"ref": "v2"}, {"list": [n]}], {}),
+        ("aten.split.Tensor", [{"ref": "v3"}, 1], {}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [("operator.mul", [{"list": [1, 2]}, 2**31], {})],  # a list of 2**32 items
+        [("operator.mul", [{"list": [1]}, 2**61], {})],
+        # a (2**20,) view of one element (4 MiB as the guard counts it: allowed), split into 2**20 views
+        _split(2**20),
+        _split(2**40),  # refused already at the view: 4 TiB as counted
+    ],
+    ids=["list_2e31", "list_2e61", "split_2e20", "split_2e40"],
+)
+def test_lists_and_splits_are_sized_before_anything_is_allocated(steps):
+    """0.16 ran these until MemoryError at a 6 GiB cap: sizing a step on meta tensors still made the
+    Python list (or the 2**25 views) it asked for. Now each fails in under a second and 1 GiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the process's peak so far
+    program = load(steps, {"ref": f"v{len(steps) - 1}"})
+    timed_failure(program, r"more than (a step|this program) may make")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 2**20  # under 1 GiB more

@@ -63,13 +63,15 @@ def check_name(rel: Any) -> list[str]:
 # -- locking -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``: a directory (nothing is created), or a lock file (created
+    """An exclusive ``flock`` on ``path``: a directory, the user's own folder, which may be reached
+    through a symbolic link (it is opened read-only, nothing is created), or a lock file (created
     0600, never through a symbolic link)."""
-    flags = (
-        os.O_RDONLY | os.O_DIRECTORY if path.is_dir() and not path.is_symlink() else os.O_RDWR | os.O_CREAT
-    )
+    if path.is_dir():
+        flags = os.O_RDONLY | os.O_DIRECTORY
+    else:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise ArtifactError(
             f"cannot open the lock file {path} ({e.strerror}).", "remove it if it is a link."

@@ -341,6 +341,9 @@ class Program:
 GROWTH = 16
 MAX_TENSOR_BYTES = 64 * 2**30
 MAX_INT = 2**63
+#: the most items a list a step makes may hold, and the most results one step may return (a JSON
+#: list holds at most 4096 too): sized from the arguments before the step runs
+MAX_ITEMS = 4096
 
 
 class _Guard:
@@ -363,6 +366,7 @@ class _Guard:
         self.max_live = max(2**24, GROWTH * self.total)
 
     def before(self, fn: Callable, args: list, kwargs: dict) -> None:
+        _count_items(fn, args, kwargs)  # what sizing on meta tensors would itself allocate
         meta = torch.utils._pytree.tree_map(_as_meta, (args, kwargs))
         for t in _tensors(fn(*meta[0], **meta[1])):
             size = t.numel() * t.element_size()
@@ -390,6 +394,28 @@ class _Guard:
                 entry[1] -= 1
                 if entry[1] == 0:
                     self.live_bytes -= entry[0]
+
+
+def _count_items(fn: Callable, args: list, kwargs: dict) -> None:
+    """ValueError where a step would make more than ``MAX_ITEMS`` Python objects, worked out from its
+    arguments alone: a list repeated (``operator.mul``) or joined (``operator.add``), a tensor split
+    into views (``aten.split.Tensor``)."""
+    seqs = [a for a in args if isinstance(a, (list, tuple))]
+    if fn is operator.mul and seqs:
+        times = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
+        n = len(seqs[0]) * max(times, 0)
+    elif fn is operator.add and len(seqs) == 2:
+        n = len(seqs[0]) + len(seqs[1])
+    elif fn is aten.split.Tensor and args and isinstance(args[0], torch.Tensor):
+        size = args[1] if len(args) > 1 else kwargs.get("split_size", 1)
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if not isinstance(size, int) or not isinstance(dim, int) or not -args[0].dim() <= dim < args[0].dim():
+            return  # the op refuses it itself, allocating nothing
+        n = -(-args[0].shape[dim] // size) if size > 0 else 0
+    else:
+        return
+    if n > MAX_ITEMS:
+        raise ValueError(f"a result of {n} items, more than a step may make ({MAX_ITEMS})")
 
 
 def _as_meta(x: Any) -> Any:
