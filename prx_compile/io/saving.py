@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,9 @@ def load_compiled(
             the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
-    reader = artifact.open_artifact(path, kind=KIND, verify=verify, digest=digest, reads=_files_read)
+    reader = artifact.open_artifact(
+        path, kind=KIND, verify=verify, digest=digest, reads=_files_read, parsed=_import_ahead
+    )
     m = reader.manifest
     artifact.check_fields(_MANIFEST, m, "manifest")
     config = _config(m, device, backend)
@@ -184,6 +187,37 @@ def load_compiled(
     compiled.load_s = time.perf_counter() - t0
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
     return compiled
+
+
+def _import_ahead(manifest: dict[str, Any]) -> threading.Thread:
+    """Start importing, in a thread, what this artifact's load and first call will import: the
+    model's diffusers class, Torch-TensorRT (engines) and the kernel packages its attention may run
+    (cuDNN's frontend, FlashAttention-4: seconds each). The files are verified and read meanwhile;
+    the load then finds these modules imported (or waits on Python's import lock for the rest). A
+    failure here only means the load imports it itself, and says why."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+
+    def run() -> None:
+        from ..ops import cudnn_attention, flash4_attention
+
+        try:
+            spec_of_class(model.get("class")).model_class()
+            if config.get("backend") == "tensorrt" and torch.cuda.is_available():
+                from ..backends.tensorrt import shim
+
+                shim.torch_tensorrt()
+                kernel = config.get("attention_kernel")
+                if kernel in ("auto", "cudnn"):
+                    cudnn_attention.frontend()
+                if kernel in ("auto", "flash4"):
+                    flash4_attention.kernel()
+        except Exception as e:  # what it could not import, the load imports again and reports
+            logger.debug("importing ahead stopped: %s", e)
+
+    thread = threading.Thread(target=run, name="prx-import-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 #: an artifact's manifest: every field's shape, checked whole before the load reads any of it (the
