@@ -269,6 +269,17 @@ def test_the_wheel_ships_the_presets_and_the_command(tmp_path):
         capture_output=True,
     )
     wheel = next(dist.glob("prx_compile-*.whl"))
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:  # the extras pin the Torch-TensorRT line this release is checked on
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [
+        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
+    ]
+    for extra, package in (("tensorrt", "torch-tensorrt"), ("tensorrt-rtx", "torch-tensorrt-rtx")):
+        pins = [r for r in requires if f'extra == "{extra}"' in r]
+        assert any(r.startswith(package) and "<2.12" in r and ">=2.11" in r for r in pins), pins
+        assert any(r.startswith("torch<2.12,>=2.11") or r.startswith("torch>=2.11,<2.12") for r in pins), pins
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"

@@ -235,3 +235,38 @@ def test_contexts_that_need_no_memory_get_a_one_byte_block_and_report_none():
     arena.allocate()
     assert arena.nbytes == 0 and arena.block.numel() == 1  # TensorRT still gets an address to use
     assert {m.context.memory for m in modules} == {(arena.block.data_ptr(), 1)}
+
+
+def test_a_torch_tensorrt_outside_the_checked_line_is_refused_in_one_line_before_any_export(monkeypatch):
+    """2.13 dropped ``PythonTorchTensorRTModule``, 2.14 ``use_python_runtime``: a user whose pip
+    resolved one of them hears so at compile time, with the pip command; an override exists."""
+    from prx_compile import BackendUnavailableError, compile_prx
+    from prx_compile.tools.testing import make_prx
+
+    monkeypatch.delenv(shim.UNCHECKED_ENV, raising=False)
+    shim.check_version(("torch-tensorrt", "2.11.0"))
+    shim.check_version(("torch-tensorrt-rtx", "2.11.0+cu130"))
+    shim.check_version(None)  # not installed: the import itself says so
+    message = (
+        r"torch-tensorrt 2.14.0 is installed; this prx_compile is checked against Torch-TensorRT 2.11 "
+        r"\(with torch 2.11\) only. Hint: pip install 'torch-tensorrt>=2.11,<2.12' 'torch>=2.11,<2.12'.*"
+        r"PRX_COMPILE_UNCHECKED_TORCH_TENSORRT=1"
+    )
+    with pytest.raises(BackendUnavailableError, match=message):
+        shim.check_version(("torch-tensorrt", "2.14.0"))
+    with pytest.raises(BackendUnavailableError, match=r"torch-tensorrt-rtx 2.10.1 is installed"):
+        shim.check_version(("torch-tensorrt-rtx", "2.10.1"))
+    monkeypatch.setenv(shim.UNCHECKED_ENV, "1")
+    shim.check_version(("torch-tensorrt", "2.14.0"))  # at the user's own risk
+    monkeypatch.delenv(shim.UNCHECKED_ENV)
+    # through compile_prx: refused before the model is touched (faked GPU and metadata)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shim, "installed_version", lambda: ("torch-tensorrt", "2.14.0"))
+    shim.torch_tensorrt.cache_clear()
+    model = make_prx()
+    exported = []
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exported.append(1))
+    with pytest.raises(BackendUnavailableError, match="2.14.0 is installed"):
+        compile_prx(model, backend="tensorrt")
+    assert not exported and next(model.parameters()).device.type == "cpu"
+    shim.torch_tensorrt.cache_clear()

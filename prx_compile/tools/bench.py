@@ -66,9 +66,28 @@ def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> dic
     return {
         "ms": statistics.median(times),
         "mean": statistics.fmean(times),
+        "min": times[0],
+        "max": times[-1],
         "p90": times[min(len(times) - 1, round(0.9 * (len(times) - 1)))],
         "iters": iters,
     }
+
+
+def time_back_to_back(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Milliseconds per call of ``iters`` calls made back to back, as a pipeline makes its steps (no
+    synchronisation between them: the CPU's work of one call overlaps the GPU's of the last), after
+    ``warmup`` calls. The per-call synchronised figure is ``time_cuda``'s."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 MASKS = ("pipeline", "none", "full")
@@ -294,9 +313,9 @@ def run_bench(
                     with torch.no_grad():
                         return fn(**kw, return_dict=False)
 
-                t = time_cuda(step, warmup=warmup, iters=iters)
-                rec.ms_per_step = t["ms"]
-                rec.extra.update({k: t[k] for k in ("mean", "p90")})
+                rec.ms_per_step = time_back_to_back(step, warmup=warmup, iters=iters)
+                t = time_cuda(step, warmup=0, iters=iters)
+                rec.extra.update(ms_synchronised=t["ms"], min=t.get("min"), max=t.get("max"), p90=t["p90"])
                 if isinstance(fn, CompiledTransformer):
                     r = fn.report()
                     # engines and segments of the set that ran this case
@@ -369,14 +388,18 @@ def table(result: dict[str, Any]) -> str:
         if r["path"] in ("eager", "torch.compile") and r.get("ms_per_step"):
             base[(key, r["path"])] = r["ms_per_step"]
     head = (
-        f"{'path':38s} {'case':26s} {'ms/step':>8s} {'x eager':>8s} {'x t.c':>6s} {'build s':>8s} "
-        f"{'rel err':>8s} {'eng':>4s} {'seg':>4s}"
+        f"{'path':38s} {'case':26s} {'ms/step':>8s} {'sync min-max':>15s} {'x eager':>8s} {'x t.c':>6s} "
+        f"{'build s':>8s} {'rel err':>8s} {'eng':>4s} {'seg':>4s}"
     )
     lines = [head, "-" * len(head)]
     env = _env(result)
     if not env.get("gpu"):
         where = env.get("cpu") or "no GPU"
-        lines.insert(0, f"CPU timings ({where}): they show the harness, not a GPU's speed.")
+        lines.insert(
+            0,
+            f"CPU timings ({where}): they show the harness, not a GPU's speed; a tiny model's step is "
+            "mostly Python overhead, so its ratios vary from run to run (see the min-max spread).",
+        )
     for r in recs:
         key = (tuple(r["resolution"]), r["batch"], r["mask"])
         ms = r.get("ms_per_step")
@@ -385,10 +408,12 @@ def table(result: dict[str, Any]) -> str:
             for p in ("eager", "torch.compile")
         ]
         case = f"{r['resolution'][0]}x{r['resolution'][1]} b{r['batch']} {r['mask']}"
-        err = (r.get("extra") or {}).get("error")
+        extra = r.get("extra") or {}
+        err = extra.get("error")
         label = _label(r)
+        spread = f"{fmt(extra.get('min'))}-{fmt(extra.get('max'))}" if extra.get("min") is not None else "-"
         lines.append(
-            f"{label[:38]:38s} {case:26s} {fmt(ms):>8s} {sp[0]:>8s} {sp[1]:>6s} "
+            f"{label[:38]:38s} {case:26s} {fmt(ms):>8s} {spread:>15s} {sp[0]:>8s} {sp[1]:>6s} "
             f"{fmt(r.get('build_s'), 1):>8s} {fmt(r.get('rel_err'), 4):>8s} {fmt(r.get('engines')):>4s} "
             f"{fmt(r.get('torch_segments')):>4s}" + (f"  ERROR: {err}" if err else "")
         )

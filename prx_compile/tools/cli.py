@@ -295,12 +295,20 @@ def cmd_demo(args) -> int:
         with torch.no_grad():
             return model(**kw, return_dict=False)
 
-    t_eager = time_cuda(eager_step, warmup=3, iters=20)["ms"]
-    t_comp = time_cuda(lambda: ct(**kw, return_dict=False), warmup=3, iters=20)["ms"]
+    t_eager = time_cuda(eager_step, warmup=3, iters=20)
+    t_comp = time_cuda(lambda: ct(**kw, return_dict=False), warmup=3, iters=20)
+
+    def show(t):
+        return f"{t['ms']:.2f} ms (min {t['min']:.2f}, max {t['max']:.2f})"
+
     print(
-        f"warm step time on {device} (median of 20 after 3 warm-up calls): eager {t_eager:.2f} ms, "
-        f"compiled ({backend}) {t_comp:.2f} ms"
-        + ("  [a tiny model on a CPU: overheads, not a speed result]" if device == "cpu" else "")
+        f"warm step time on {device} (median of 20 after 3 warm-up calls): eager {show(t_eager)}, "
+        f"compiled ({backend}) {show(t_comp)}"
+        + (
+            "  [a tiny model on a CPU: Python overheads, not a speed result; the ratio varies run to run]"
+            if device == "cpu"
+            else ""
+        )
     )
     return 0
 
@@ -682,6 +690,38 @@ def _positive(text: str) -> int:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviations (``--step 2`` is not silently ``--steps``), and an unknown option gets the
+    closest known ones as a suggestion."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def options(self) -> list[str]:
+        """Every option string of this parser and of its subcommands."""
+        out = [o for a in self._actions for o in a.option_strings]
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                out += [o for sp in a.choices.values() for o in sp.options()]
+        return out
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        unknown = re.findall(
+            r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.partition("unrecognized arguments:")[2]
+        )
+        known = sorted(set(self.options()))
+        hints = [
+            f"{u}: did you mean {' or '.join(close)}?"
+            for u in unknown
+            if (close := difflib.get_close_matches(u, known, n=2, cutoff=0.6))
+        ]
+        super().error(message + ("; " + "; ".join(hints) if hints else ""))
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" for options that have a real default (not None / False)."""
 
@@ -693,16 +733,16 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def parser() -> argparse.ArgumentParser:
     fmt = _Help
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="prx-compile",
-        description="Compile diffusers' PRX transformer with Torch-TensorRT (or the eager/inductor "
-        "backends) and use it.",
+        description="Compile diffusers' PRX and FLUX.1 transformers with Torch-TensorRT (or the "
+        "eager/inductor backends) and use them.",
         formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"prx-compile {__version__}")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def common(sp, backend=True):  # also accepted after the subcommand; SUPPRESS keeps a flag given before it
         sp.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress output")

@@ -9,7 +9,9 @@ its own class from an explicit table (safetensors only, local files only) and bu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,4 +85,17 @@ def load_pipeline(path: str | Path, torch_dtype: torch.dtype | None = None):
     extra = {}
     if "default_sample_size" in index:
         extra["default_sample_size"] = index["default_sample_size"]
-    return PRXPipeline(**parts, **extra)
+    with quiet_lora_mixin():
+        return PRXPipeline(**parts, **extra)
+
+
+@contextlib.contextmanager
+def quiet_lora_mixin():
+    """Within the block, diffusers' FutureWarning that ``LoraLoaderMixin`` (which PRXPipeline's
+    constructor goes through) is deprecated is not shown: it is about diffusers' own code and asks
+    nothing of the user. Every other warning is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*LoraLoaderMixin.* is deprecated", category=FutureWarning
+        )
+        yield

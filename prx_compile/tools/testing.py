@@ -255,13 +255,16 @@ def tiny_pipeline(
     transformer = transformer if transformer is not None else make_prx(seed=seed)
     tokenizer = tiny_tokenizer(text_len)
     encoder = tiny_text_encoder(len(tokenizer), transformer.config.context_in_dim, seed=seed)
-    return PRXPipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        text_encoder=encoder,
-        tokenizer=tokenizer,
-        vae=tiny_vae(transformer.config.in_channels, seed, scale=vae_scale) if vae else None,
-    )
+    from .pipeline import quiet_lora_mixin
+
+    with quiet_lora_mixin():
+        return PRXPipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            text_encoder=encoder,
+            tokenizer=tokenizer,
+            vae=tiny_vae(transformer.config.in_channels, seed, scale=vae_scale) if vae else None,
+        )
 
 
 def tiny_pixel_pipeline(transformer: torch.nn.Module | None = None, *, text_len: int = 16, seed: int = 0):

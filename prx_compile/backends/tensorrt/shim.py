@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -28,15 +29,58 @@ INSTALL_HINT = (
     "install it on a machine with an NVIDIA GPU: pip install 'prx_compile[tensorrt]' "
     "(or 'prx_compile[tensorrt-rtx]'); or use backend='inductor' or 'eager'."
 )
+#: the Torch-TensorRT line this release is checked against ([first, last) of major.minor), and the
+#: environment variable that lets a user try another one anyway, at their own risk
+CHECKED = ((2, 11), (2, 12))
+UNCHECKED_ENV = "PRX_COMPILE_UNCHECKED_TORCH_TENSORRT"
+PACKAGES = ("torch-tensorrt", "torch-tensorrt-rtx")
+
+
+def installed_version() -> tuple[str, str] | None:
+    """(package, version) of the installed Torch-TensorRT distribution (either build), read from its
+    metadata without importing it; None when neither is installed."""
+    from importlib import metadata
+
+    for name in PACKAGES:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_version(found: tuple[str, str] | None = None) -> None:
+    """BackendUnavailableError, in one line naming the installed and the checked versions and the pip
+    command, when the installed Torch-TensorRT is outside ``CHECKED`` (its runtime classes and
+    settings changed in 2.13 and 2.14); ``$PRX_COMPILE_UNCHECKED_TORCH_TENSORRT=1`` skips the check."""
+    found = found if found is not None else installed_version()
+    if found is None or os.environ.get(UNCHECKED_ENV, "").strip() == "1":
+        return
+    name, version = found
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    mm = (int(parts[1]), int(parts[2])) if parts else None
+    lo, hi = CHECKED
+    if mm is not None and lo <= mm < hi:
+        return
+    checked = f"{lo[0]}.{lo[1]}"
+    raise BackendUnavailableError(
+        f"{name} {version} is installed; this prx_compile is checked against Torch-TensorRT {checked} "
+        f"(with torch {checked}) only.",
+        f"pip install '{name}>={checked},<{hi[0]}.{hi[1]}' 'torch>={checked},<{hi[0]}.{hi[1]}' "
+        f"(or pip install 'prx_compile[tensorrt]'); to try {version} anyway, at your own risk, set "
+        f"{UNCHECKED_ENV}=1.",
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def torch_tensorrt():
-    """The torch_tensorrt module, or BackendUnavailableError saying how to get it."""
+    """The torch_tensorrt module, or BackendUnavailableError saying how to get it (also for a
+    Torch-TensorRT outside the checked line: ``check_version``)."""
     if not torch.cuda.is_available():
         raise BackendUnavailableError(
             "backend='tensorrt' needs a CUDA GPU, and torch sees none.", INSTALL_HINT
         )
+    check_version()
     try:
         import torch_tensorrt as ttrt
     except Exception as e:  # ImportError, or OSError when TensorRT's libraries are missing
