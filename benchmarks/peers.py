@@ -1,9 +1,11 @@
-"""Issue 24's measurement: compile_prx against the strongest peers, in one process and one run.
+"""PRX against the strongest peers, in one process and one run.
 
-    python benchmarks/peers.py OUT.json --parts bf16 fp8 [--shapes 3] [--ablations]
+    python benchmarks/peers.py OUT.json --parts bf16 fp8 [--shapes 3] [--ablations] [--model pixel]
 
-Full-size PRX (1.17 B, bf16, non-degenerate weights), the pipeline's text mask, at 1024² b2,
-1024² b1 and 832x1216 b2 (``--shapes 1``: the first only). Every path is built on the first shape;
+Full-size PRX (1.17 B, bf16, non-degenerate weights; ``--model pixel``: the 7B-sized PRXPixel, pixel
+space, made on the GPU), the pipeline's text mask, at 1024² b2, 1024² b1 and 832x1216 b2 (``--shapes
+1``: the first only). ms/step is timed back to back (as a pipeline runs its steps); the per-call
+synchronised median, min and max are beside it (``extra``). Every path is built on the first shape;
 its first call at each shape is recorded (``build_s``, then ``extra.first_call_s``), then warm
 ms/step and the error against bf16 eager. Parts (each path appended in this order):
   bf16   eager; torch.compile regional (each ``PRXBlock`` ``.compile(dynamic=False)``, diffusers'
@@ -32,11 +34,24 @@ import json
 
 import torch
 
-from prx_compile.quant.fp8 import TARGETS
+from prx_compile.models import SPECS
 from prx_compile.tools.bench import Case, compile_path, run_bench, table
-from prx_compile.tools.testing import FULL_PRX, make_prx
+from prx_compile.tools.testing import FULL_PRX, PIXEL_PRX, make_prx
 
 SHAPES = [Case((1024, 1024), 2), Case((1024, 1024), 1), Case((832, 1216), 2)]
+PIXEL_SHAPES = [Case((1024, 1024), 2, vae_scale_factor=1), Case((1024, 1024), 1, vae_scale_factor=1)]
+TARGETS = SPECS["prx"].block_linears
+
+
+def pixel_model():
+    """The 7B-sized PRXPixel with random non-degenerate weights, made on the GPU (no CPU copy)."""
+    from common import init_random_
+
+    spec = SPECS["prx"]
+    model = spec.construct(PIXEL_PRX).to_empty(device="cuda")
+    init_random_(model, seed=0)
+    spec.nondegenerate_(model)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
 def regional(model):
@@ -79,12 +94,14 @@ def checked_first(factory):
     return make
 
 
-def paths(parts: list[str], ablations: bool) -> dict:
+def paths(parts: list[str], ablations: bool, pixel: bool = False) -> dict:
     out: dict = {"eager": lambda m: m}
+    bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else (None, "prx-1024-fp8")
     if "bf16" in parts:
         out["torch.compile regional"] = regional
-        out["compile_prx"] = compile_path()
-        out["compile_prx[checked before the replay]"] = checked_first(compile_path())
+        out["compile_prx" + (f"[{bf16}]" if bf16 else "")] = compile_path(bf16)
+        if not pixel:
+            out["compile_prx[checked before the replay]"] = checked_first(compile_path())
         if ablations:
             out["compile_prx[fuse_mlp_gate: false]"] = compile_path(fuse_mlp_gate=False)
             out["compile_prx[attention_kernel: cudnn, fuse_mlp_gate: false]"] = compile_path(
@@ -92,12 +109,10 @@ def paths(parts: list[str], ablations: bool) -> dict:
             )
     if "fp8" in parts:
         out["torch.compile regional+torchao"] = regional_torchao
-        out["compile_prx[prx-1024-fp8]"] = compile_path("prx-1024-fp8")
-        fp8_preset = compile_path("prx-1024-fp8")
-        out["compile_prx[prx-1024-fp8, checked before the replay]"] = checked_first(fp8_preset)
+        out[f"compile_prx[{fp8}]"] = compile_path(fp8)
         if ablations:
-            fp8_attention = compile_path("prx-1024-fp8", fp8_attention=True)
-            out["compile_prx[prx-1024-fp8, fp8_attention: true]"] = fp8_attention
+            out[f"compile_prx[{fp8}, fp8_attention: true]"] = compile_path(fp8, fp8_attention=True)
+            out[f"compile_prx[{fp8}, fp8_attention: false]"] = compile_path(fp8, fp8_attention=False)
     if "whole" in parts:
         out["torch.compile"] = lambda m: torch.compile(m)
     return out
@@ -111,39 +126,47 @@ def main() -> None:
     )
     ap.add_argument("--shapes", type=int, default=3, choices=[1, 2, 3])
     ap.add_argument("--ablations", action="store_true", help="also the rows of 0.15's levers (see below)")
+    ap.add_argument("--model", choices=["prx", "pixel"], default="prx")
     args = ap.parse_args()
-    model = make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
-    res = run_bench(SHAPES[: args.shapes], paths(args.parts, args.ablations), model=model, out_json=args.out)
+    pixel = args.model == "pixel"
+    model = pixel_model() if pixel else make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
+    shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
+    res = run_bench(shapes, paths(args.parts, args.ablations, pixel), model=model, out_json=args.out)
+    res["model"] = args.model
     res["parts"] = args.parts
     print(table(res), flush=True)
     if "profile" in args.parts:
-        res["profiles"] = profiles(model, args.parts, args.ablations)
+        res["profiles"] = profiles(model, args.parts, args.ablations, shapes[0], pixel)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
 
 
-def profiles(model, parts: list[str], ablations: bool) -> dict:
-    """Kernels of one 1024² b2 step by category, for the compile_prx variants of ``parts`` (CUDA
-    graphs off)."""
-    from run_device import kernel_profile  # benchmarks/, beside this script
+def profiles(model, parts: list[str], ablations: bool, case: Case, pixel: bool) -> dict:
+    """Kernels of one step at ``case`` by category, for eager and the compile_prx variants of
+    ``parts`` (CUDA graphs off)."""
+    from common import kernel_profile  # benchmarks/, beside this script
 
     from prx_compile import compile_prx
 
-    kw = SHAPES[0].inputs(model.config, torch.bfloat16, "cuda")
-    out = {}
-    static = dict(static=True, specialize=[[1024, 1024, 2]])
+    kw = case.inputs(model, torch.bfloat16, "cuda")
+    out = {"eager": kernel_profile(model, kw)}
+    static = dict(static=True, specialize=[[1024, 1024, case.batch]])
+    bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else ("prx-1024-bf16", "prx-1024-fp8")
     variants = {}
     if "bf16" in parts:
-        variants["compile_prx"] = dict(config="prx-1024-bf16-static")
+        variants[f"compile_prx[{bf16}]"] = dict(config=bf16, **static)
         if ablations:
-            variants["compile_prx[attention_kernel: cudnn, fuse_mlp_gate: false]"] = dict(
-                config="prx-1024-bf16-static", attention_kernel="cudnn", fuse_mlp_gate=False
+            variants[f"compile_prx[{bf16}, attention_kernel: cudnn]"] = dict(
+                config=bf16, attention_kernel="cudnn", **static
             )
     if "fp8" in parts:
-        variants["compile_prx[prx-1024-fp8]"] = dict(config="prx-1024-fp8", **static)
+        variants[f"compile_prx[{fp8}]"] = dict(config=fp8, **static)
         if ablations:
-            variants["compile_prx[prx-1024-fp8, fp8_attention: true]"] = dict(
-                config="prx-1024-fp8", fp8_attention=True, **static
+            variants[f"compile_prx[{fp8}, fp8_attention: true]"] = dict(
+                config=fp8, fp8_attention=True, **static
+            )
+            variants[f"compile_prx[{fp8}, fp8_attention: false]"] = dict(
+                config=fp8, fp8_attention=False, **static
             )
     for label, kwargs in variants.items():
         m = copy.deepcopy(model) if "fp8" in label else model
@@ -151,6 +174,7 @@ def profiles(model, parts: list[str], ablations: bool) -> dict:
             ct = compile_prx(m, cuda_graphs=False, **kwargs)
             ct(**kw, return_dict=False)
             out[label] = kernel_profile(ct, kw)
+            out[label]["kernels"] = ct.report()["kernels"]
             print(label, out[label]["ms_per_step_without_graphs"], out[label]["by_category"], flush=True)
         except Exception as e:
             out[label] = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -76,11 +76,11 @@ class Mirror:
             for name in sorted(self.active):
                 layer = self.adapters[name].get(mod)
                 if layer is not None and self.active[name] != 0.0 and fqn.endswith(".weight"):
-                    down, up = layer
+                    down, up = (t.to(w0.device) for t in layer)  # on the weight's device, as a LoRA is
                     d = ((up @ down) * 1.0) * self.active[name]
                     acc = d if acc is None else acc + d
             if acc is not None:
-                out[fqn] = (w0.float() + acc.to(w0.device)).to(w0.dtype)
+                out[fqn] = (w0.float() + acc).to(w0.dtype)
         return out
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

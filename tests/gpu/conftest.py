@@ -28,8 +28,10 @@ def fused_op() -> str:
     FlashAttention-4 attention where it is installed, else the cuDNN one where cuDNN's frontend is,
     else ``prx_attention``."""
     from prx_compile import CompileConfig
+    from prx_compile.plan import Plan
+    from prx_compile.tools.testing import make_prx
 
-    kind = CompileConfig.resolve(None).padded_attention()
+    kind = Plan.resolve(CompileConfig.resolve(None), make_prx()).padded_attention
     return f"prx_compile.prx_attention{'_' + kind if kind else ''}.default"
 
 

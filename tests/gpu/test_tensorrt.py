@@ -63,7 +63,7 @@ def test_specialised_set_then_range_set(compiled):
     ops = rng.report()["torch_ops"]
     in_torch = ops.get("prx_compile.linear.default", 0) + ops.get("prx_compile.gelu_gate.default", 0)
     assert in_torch == (linears if ct.compile_config.weights == "inputs" else 0), ops
-    gates = ct.compile_config.gelu_gate(rng.shapes)
+    gates = ct.plan.gelu_gate(rng.shapes)
     assert ops.get("prx_compile.gelu_gate.default", 0) == (SMALL_PRX["depth"] if gates else 0), ops
 
 

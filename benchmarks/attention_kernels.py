@@ -1,11 +1,16 @@
-"""cuDNN's FP8 attention (cudnn-frontend's ``sdpa_fp8``, forward) at PRX's joint-attention shape, against
-the bf16 path we ship (``library.joint_attention``) and the FP8 preset's Triton kernels
-(``fp8_attention.joint_attention_fp8``).
+"""PRX's joint attention on every kernel that can run it, at a model's shapes: time, error, NaN.
 
-    pip install --no-deps --target DIR nvidia-cudnn-frontend==1.32.0
-    CUDNN_FE_PATH=DIR python benchmarks/probes/cudnn_fp8_attention.py OUT_DIR   (or DIR on PYTHONPATH)
+    python benchmarks/attention_kernels.py OUT.json [--heads 24 --head-dim 128]   # PRXPixel (7B)
+    python benchmarks/attention_kernels.py OUT.json --heads 28 --head-dim 64       # PRX 1.17 B
 
-Image queries (B=2, 4096 or 52*76 = 3952 tokens; 28 heads of 64, RMS-normalised q and k) over
+The candidates: bf16 — the split path (PyTorch's cuDNN SDPA over the image keys, a masked one over
+the text keys, an exact merge: ``library.joint_attention``), one cuDNN call over the key-padding
+layout (``cudnn_attention.padded_attention``, the ``cudnn`` extra), one FlashAttention-4 call over it
+(``flash4_attention.padded_attention``, the ``flash4`` extra); FP8 — our Triton kernels
+(``fp8_attention.joint_attention_fp8``: Q, K, V and P in e4m3, one scale per 128 tokens and head) and
+cuDNN's FP8 attention (cudnn-frontend's ``sdpa_fp8``, forward, per-tensor scales).
+
+Image queries (B=2, 4096 or 52*76 = 3952 tokens; H heads of D, RMS-normalised q and k) over
 [256 text keys under the pipeline's mask (row 0 keeps 1, row 1 keeps 40; padded keys hold 1e4
 garbage); the image keys]. cuDNN gets the mask exactly through its padding mask: attention is
 invariant under a permutation of its keys, so K/V are laid out as [image keys; the kept text keys,
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-H, D, T = 28, 64, 256
+H, D, T = 24, 128, 256  # set by --heads / --head-dim
 SHAPES = {"1024² b2": (2, 4096), "832x1216 b2": (2, 52 * 76)}
 KEPT = (1, 40)
 SCALE = D**-0.5
@@ -139,10 +144,10 @@ def exact(q, tk, tv, mask, k, v):
     for i in range(q.shape[0]):
         keys, vals = torch.cat([tk[i], k[i]]).float(), torch.cat([tv[i], v[i]]).float()
         keep = torch.cat([mask[i], torch.ones(k.shape[1], dtype=torch.bool, device=q.device)])
-        for h in range(0, H, 7):
-            s = torch.einsum("qhd,khd->hqk", q[i, :, h : h + 7].float(), keys[:, h : h + 7]) * SCALE
+        for h in range(0, H, 4):
+            s = torch.einsum("qhd,khd->hqk", q[i, :, h : h + 4].float(), keys[:, h : h + 4]) * SCALE
             p = s.masked_fill(~keep, float("-inf")).softmax(-1)
-            out[i, :, h : h + 7] = torch.einsum("hqk,khd->qhd", p, vals[:, h : h + 7])
+            out[i, :, h : h + 4] = torch.einsum("hqk,khd->qhd", p, vals[:, h : h + 4])
     return out
 
 
@@ -301,10 +306,29 @@ def capture(call) -> dict:
     }
 
 
-def main(out_dir: str) -> None:
+def padded_bf16(module):
+    """A candidate: ``module.padded_attention`` over [image keys; kept text keys; zeros] in bf16."""
+
+    def run(q, tk, tv, mask, k, v, scale):
+        b, li = k.shape[:2]
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :, None, None].expand(
+            -1, -1, H, D
+        )
+        kept = mask.sum(1)
+        live = (torch.arange(T, device=mask.device)[None] < kept[:, None])[:, :, None, None]
+        kk = torch.cat([k, torch.gather(tk, 1, order).masked_fill(~live, 0)], 1).contiguous()
+        vv = torch.cat([v, torch.gather(tv, 1, order).masked_fill(~live, 0)], 1).contiguous()
+        seq = torch.zeros(2, -(-b // 4) * 4, dtype=torch.int32, device=q.device)
+        seq[0, :b], seq[1, :b] = q.shape[1], li + kept
+        return module.padded_attention(q.contiguous(), kk, vv, seq, scale)
+
+    return run
+
+
+def main(out_file: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference
     torch.zeros(1, device="cuda")
-    path = Path(out_dir) / "cudnn_fp8_attention.json"
+    path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name()}
     env["capability"] = list(torch.cuda.get_device_capability())
@@ -316,7 +340,7 @@ def main(out_dir: str) -> None:
         "scale_s": f"{SCALE_S} (descale_s 1/{SCALE_S}); Amax_S left virtual unless the build needed it",
         "scale_o": "1 for a bf16 O; for an e4m3 O 224 / amax(exact fp32 output), chosen once per shape",
     }
-    res = {"env": env, "notes": notes, "shapes": {}}
+    res = {"env": env, "notes": notes, "heads": H, "head_dim": D, "text": T, "shapes": {}}
 
     def save():
         path.write_text(json.dumps(res, indent=1))
@@ -329,15 +353,21 @@ def main(out_dir: str) -> None:
     except Exception as e:
         env["cudnn_frontend_error"] = err(e)
     save()
+    from prx_compile.ops import cudnn_attention, flash4_attention, library
     from prx_compile.ops import fp8_attention as fa
-    from prx_compile.ops import library
+
+    candidates = {"bf16_split": library.joint_attention, "triton_fp8": fa.joint_attention_fp8}
+    if cudnn_attention.installed():
+        candidates["bf16_cudnn_one_call"] = padded_bf16(cudnn_attention)
+    if flash4_attention.installed():
+        candidates["bf16_flash4_one_call"] = padded_bf16(flash4_attention)
 
     first = None
     for name, (b, lq) in SHAPES.items():
         row = res["shapes"][name] = {"B": b, "Lq": lq, "Lk": lq + T, "kept": list(KEPT[:b])}
         x = inputs(b, lq)
         ref = exact(*x)
-        for key, fn in (("bf16_cudnn", library.joint_attention), ("triton_fp8", fa.joint_attention_fp8)):
+        for key, fn in candidates.items():
             try:
                 out = fn(*x, SCALE)
                 t = timed(lambda fn=fn, x=x: fn(*x, SCALE))
@@ -367,4 +397,12 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--head-dim", type=int, default=128)
+    a = ap.parse_args()
+    H, D, SCALE = a.heads, a.head_dim, a.head_dim**-0.5
+    main(a.out)

@@ -1,0 +1,144 @@
+"""What the benchmarks share: timing (back to back and synchronised), first calls, device memory,
+kernel profiles by category, and full-size models with random non-degenerate weights made on the GPU.
+
+Every benchmark writes one JSON file; the README and docs cite them from benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from prx_compile.tools.bench import rel_err, time_back_to_back, time_cuda
+
+__all__ = [
+    "first_call",
+    "init_random_",
+    "kernel_profile",
+    "memory_gb",
+    "rel_err",
+    "speed",
+    "time_back_to_back",
+    "time_cuda",
+]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def memory_gb() -> float:
+    """Device memory in use (the driver's view: every allocation, engines and workspaces included);
+    0 without a GPU."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free_b, total = torch.cuda.mem_get_info()
+    return (total - free_b) / 2**30
+
+
+def first_call(fn, kwargs: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """(output, seconds) of the first call of ``fn`` (builds, JIT compiles and captures included)."""
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = fn(**kwargs, return_dict=False)[0]
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def speed(fn, kwargs: dict[str, Any], iters: int = 20, warmup: int = 3) -> dict[str, float]:
+    """ms per step back to back (as a pipeline runs its steps) and synchronised per call (median,
+    min, max) of ``fn(**kwargs)``."""
+
+    def step():
+        with torch.no_grad():
+            return fn(**kwargs, return_dict=False)
+
+    b2b = [time_back_to_back(step, warmup=warmup, iters=iters) for _ in range(3)]
+    sync = time_cuda(step, warmup=1, iters=iters)
+    return {
+        "ms_back_to_back": statistics.median(b2b),
+        "ms_back_to_back_runs": b2b,
+        "ms_synchronised": sync["ms"],
+        "ms_synchronised_min": sync["min"],
+        "ms_synchronised_max": sync["max"],
+    }
+
+
+@torch.no_grad()
+def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """Random non-degenerate weights, in place and on the model's device (a model made on the meta
+    device and ``to_empty``'d): every 2-D weight ~ N(0, std) scaled by 1/sqrt(fan_in / 1024), biases
+    ~ N(0, std/4), norm weights 1 (diffusers' norms), everything else ~ N(0, std)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            scale = std * min(1.0, (1024 / p.shape[1]) ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * scale)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * std / 4)
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * std)
+    return model
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kernel_categories(names_ms: dict[str, tuple[int, float]]) -> dict[str, float]:
+    """Kernel name -> (calls, ms) summed into coarse categories (ms per step)."""
+    exact = {"_kernel": "triton q/k norm + rope", "_merge_kernel": "triton attention merge"}
+    rules = [
+        ("FP8 GEMM (torch._scaled_mm)", ("f8f8bf16", "scaled_mm", "e4m3")),
+        ("triton fp8 quantisation", ("_row_quant", "_gelu_mul_quant", "_quant")),
+        ("triton fp8 attention", ("_fp8_attn", "fp8_attention", "_attn_fwd")),
+        ("attention (FlashAttention-4)", ("flash_attncute", "flashattention")),
+        ("attention (cuDNN)", ("sdpa", "flash", "fmha", "cudnn_generated_fort_native_sdpa")),
+        ("cuDNN GEMM + epilogue (the MLP gate)", ("cudnn_generated_fort_native_sm90_matmul",)),
+        ("cuBLAS GEMM", ("nvjet", "cutlass", "sm90_xmma", "gemm")),
+        ("tensorrt (myelin fusions)", ("__myl", "myl")),
+    ]
+    out: dict[str, float] = {}
+    for name, (_, ms) in names_ms.items():
+        low = name.lower()
+        cat = exact.get(name) or next((c for c, keys in rules if any(k in low for k in keys)), "other")
+        out[cat] = out.get(cat, 0.0) + ms
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def kernel_profile(fn, kwargs: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    """The kernels of one step of ``fn`` (a compiled module built with CUDA graphs off, or any
+    callable): ms per step by name and by category (torch.profiler over ``steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        with torch.no_grad():
+            return fn(**kwargs, return_dict=False)
+
+    no_graph_ms = time_cuda(step, warmup=2, iters=5)["ms"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / steps
+        if ms > 0:
+            kernels[e.key] = (e.count // steps, ms)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:30]
+    return {
+        "ms_per_step_without_graphs": no_graph_ms,
+        "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),
+        "by_category": kernel_categories(kernels),
+        "top_kernels": [{"name": k[:160], "calls": c, "ms": round(ms, 4)} for k, (c, ms) in top],
+    }

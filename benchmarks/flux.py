@@ -1,0 +1,334 @@
+"""FLUX.1 against its peers, in one process and one run: ms per step, first call, memory, error.
+
+    python benchmarks/flux.py OUT.json --parts bf16 lora pipeline     # one process
+    python benchmarks/flux.py OUT.json --parts fp8                     # another
+
+The FLUX.1-dev configuration (``FluxTransformer2DModel(guidance_embeds=True)``, diffusers' defaults
+otherwise: 19 double and 38 single blocks, 11.9 B parameters) with random non-degenerate weights,
+bf16, 1024² (4096 image tokens), batch 1, 512 text tokens, guidance 3.5. ``--config tiny`` runs the
+same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
+
+  bf16      eager; ``compile_transformer`` with ``flux-1024-bf16``; diffusers' regional compilation
+            (``compile_repeated_blocks(fullgraph=True)``, on a copy)
+  fp8       eager; ``flux-1024-fp8`` (on a copy: FP8 is installed in place); torchao float8
+            (``Float8DynamicActivationFloat8WeightConfig(PerRow())`` on the block linears, a copy),
+            then regional compilation
+  lora      on the bf16 compiled module: a rank-32 LoRA over every block linear, loaded, switched
+            A -> B -> A (seconds, and whether A's output comes back bit for bit)
+  pipeline  a 28-step FluxPipeline (random tiny text encoders, no VAE decode) with the eager, the
+            compiled and the regional transformer: seconds per image, the final latents' error
+  saveload  save_compiled of the bf16 module, then load_compiled + the first step in a new process
+
+Each path: first call (seconds, cold: builds and compiles included), ms/step back to back (as a
+pipeline runs its steps) and synchronised per call, device memory added, relative L2 error against
+eager bf16, NaN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import first_call, free, init_random_, kernel_profile, memory_gb, rel_err, speed  # noqa: E402
+
+from prx_compile import compile_transformer, load_lora, save_compiled, set_lora
+from prx_compile.lora import make_random_lora
+from prx_compile.models import SPECS
+from prx_compile.models.flux import DEV, TINY
+
+SPEC = SPECS["flux"]
+
+
+def log(msg: str) -> None:
+    print(f"[flux {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_model(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of ``config`` on ``device`` with random non-degenerate weights (made on the meta
+    device: no CPU copy of 12 B parameters)."""
+    model = SPEC.construct(config).to_empty(device=device)
+    init_random_(model, seed=0)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, iters: int) -> dict:
+    log(f"{label}: first call ...")
+    out, first_s = first_call(fn, kw)
+    rec = {"path": label, "first_call_s": round(first_s, 2)}
+    rec.update(speed(fn, kw, iters=iters))
+    rec["memory_added_gb"] = round(memory_gb() - base_gb, 3)
+    rec["rel_err"] = rel_err(out, ref) if ref is not None else 0.0
+    rec["nan"] = bool(torch.isnan(out).any())
+    if hasattr(fn, "report"):
+        r = fn.report()
+        rec["report"] = {
+            k: r[k] for k in ("engines", "engine_calls", "torch_segments", "torch_ops", "kernels")
+        }
+    log(f"{label}: {json.dumps({k: v for k, v in rec.items() if k != 'report'})}")
+    return rec
+
+
+def regional(model):
+    """diffusers' regional compilation of a copy: each repeated block compiled, full graph."""
+    m = copy.deepcopy(model)
+    m.compile_repeated_blocks(fullgraph=True)
+    return m
+
+
+def regional_torchao(model):
+    """torchao float8 on a copy's block linears (the ones ``precision: fp8`` quantises), then
+    regional compilation: the strongest FP8 peer a well-informed user runs."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    m = copy.deepcopy(model)
+    quantize_(
+        m,
+        Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and bool(SPEC.block_linears.match(fqn)),
+    )
+    m.compile_repeated_blocks(fullgraph=True)
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        default=["bf16"],
+        choices=["bf16", "fp8", "lora", "pipeline", "saveload", "profile"],
+    )
+    ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
+    ap.add_argument("--backend", default="tensorrt")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=28)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    dev = args.config == "dev"
+    size, text = (1024, 512) if dev else (16, 8)
+    vae = 8 if dev else 1
+    tokens = (size // (2 * vae)) ** 2
+    result: dict = {"what": "FLUX.1 against its peers", "config": args.config, "parts": args.parts}
+    result["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else None}
+    try:
+        from prx_compile.backends.tensorrt import shim
+
+        result["env"].update(shim.versions())
+    except Exception as e:
+        result["env"]["torch_tensorrt"] = f"unavailable ({type(e).__name__})"
+    records: list[dict] = []
+    result["records"] = records
+
+    def save():
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+    base_gb = memory_gb() if cuda else 0.0
+    t0 = time.perf_counter()
+    model = make_model(DEV if dev else TINY, device, dtype)
+    result["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
+    result["model_gb"] = round(memory_gb() - base_gb, 2) if cuda else None
+    log(f"model: {result['params_b']} B parameters in {time.perf_counter() - t0:.1f} s")
+    kw = SPEC.example_inputs(model, 1, tokens, 1, text, dtype=dtype, device=device, seed=0)
+    kw["timestep"] = torch.full((1,), 0.5, device=device)
+    overrides = (
+        {}
+        if dev
+        else dict(resolution=size, vae_scale_factor=vae, text_len=[text, text], specialize=[[size, size, 1]])
+    )
+    overrides["backend"] = args.backend
+    if not cuda:  # a dry run: fp32 on a CPU
+        overrides.update(device="cpu", dtype=None)
+    base_gb = memory_gb() if cuda else 0.0
+    ref = record("eager", model, kw, None, base_gb, args.iters)
+    ref_out = first_call(model, kw)[0]
+    records.append(ref)
+    save()
+
+    compiled = None
+    if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload", "profile")):
+        base_gb = memory_gb() if cuda else 0.0
+        compiled = compile_transformer(model, config="flux-1024-bf16", **overrides)
+        records.append(
+            record("compile_transformer[flux-1024-bf16]", compiled, kw, ref_out, base_gb, args.iters)
+        )
+        save()
+    if "lora" in args.parts:
+        result["lora"] = lora_switch(compiled, model, kw)
+        save()
+    if "profile" in args.parts and cuda:
+        ct = compile_transformer(model, config="flux-1024-bf16", cuda_graphs=False, **overrides)
+        ct(**kw, return_dict=False)
+        result["profile_bf16"] = kernel_profile(ct, kw)
+        log(f"profile bf16: {result['profile_bf16']['by_category']}")
+        del ct
+        free()
+        save()
+    if "saveload" in args.parts:
+        result["saveload"] = save_and_load(compiled, kw, ref_out)
+        save()
+    if "pipeline" in args.parts:
+        result["pipeline"] = {"eager": pipeline_run(model, args.steps, size, text, vae, None, device, dtype)}
+        result["pipeline"]["compile_transformer"] = pipeline_run(
+            compiled, args.steps, size, text, vae, result["pipeline"]["eager"]["latents"], device, dtype
+        )
+        save()
+    if "bf16" in args.parts and cuda:
+        compiled = None
+        free()
+        base_gb = memory_gb()
+        peer = regional(model)
+        records.append(record("compile_repeated_blocks", peer, kw, ref_out, base_gb, args.iters))
+        save()
+        if "pipeline" in args.parts:
+            result["pipeline"]["compile_repeated_blocks"] = pipeline_run(
+                peer, args.steps, size, text, vae, result["pipeline"]["eager"]["latents"], device, dtype
+            )
+        del peer
+        free()
+    if "pipeline" in result:
+        for v in result["pipeline"].values():
+            v.pop("latents", None)
+    if "fp8" in args.parts:
+        compiled = None
+        free()
+        base_gb = memory_gb() if cuda else 0.0
+        ours = compile_transformer(copy.deepcopy(model), config="flux-1024-fp8", **overrides)
+        records.append(record("compile_transformer[flux-1024-fp8]", ours, kw, ref_out, base_gb, args.iters))
+        save()
+        if "profile" in args.parts and cuda:
+            ct = compile_transformer(
+                copy.deepcopy(model), config="flux-1024-fp8", cuda_graphs=False, **overrides
+            )
+            ct(**kw, return_dict=False)
+            result["profile_fp8"] = kernel_profile(ct, kw)
+            log(f"profile fp8: {result['profile_fp8']['by_category']}")
+            del ct
+        del ours
+        free()
+        if cuda:
+            base_gb = memory_gb()
+            peer = regional_torchao(model)
+            records.append(
+                record("compile_repeated_blocks+torchao float8", peer, kw, ref_out, base_gb, args.iters)
+            )
+            del peer
+            free()
+    save()
+    log("done")
+
+
+def lora_switch(compiled, model, kw) -> dict:
+    """A rank-32 LoRA over every block linear: load A, load B, switch to A; seconds and exactness."""
+    out = {}
+    a = make_random_lora(model, rank=32, seed=1, std=0.01)
+    b = make_random_lora(model, rank=32, seed=2, std=0.01)
+    out["layers"] = len(a) // 2
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return round(time.perf_counter() - t0, 4)
+
+    base = compiled(**kw, return_dict=False)[0].clone()
+    out["load_a_s"] = timed(lambda: load_lora(compiled, a, "a"))
+    with_a = compiled(**kw, return_dict=False)[0].clone()
+    out["load_b_s"] = timed(lambda: load_lora(compiled, b, "b"))
+    out["switch_to_b_s"] = timed(lambda: set_lora(compiled, "b"))
+    with_b = compiled(**kw, return_dict=False)[0].clone()
+    out["switch_to_a_s"] = timed(lambda: set_lora(compiled, "a"))
+    again = compiled(**kw, return_dict=False)[0]
+    out["a_changes_output_rel"] = rel_err(with_a, base)
+    out["b_differs_from_a_rel"] = rel_err(with_b, with_a)
+    out["a_b_a_exact"] = bool(torch.equal(again, with_a))
+    from prx_compile import unload_lora
+
+    out["unload_s"] = timed(lambda: unload_lora(compiled))
+    out["unload_exact"] = bool(torch.equal(compiled(**kw, return_dict=False)[0], base))
+    log(f"lora: {out}")
+    return out
+
+
+def pipeline_run(transformer, steps: int, size: int, text: int, vae: int, ref, device, dtype) -> dict:
+    """A FluxPipeline of ``steps`` steps at ``size``² with ``transformer`` (random tiny text encoders,
+    latents out): seconds per image (the second of two runs), the final latents' error against ``ref``."""
+    from prx_compile.tools.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline(transformer, text_len=text, vae_scale=vae)
+    pipe.text_encoder.to(device, dtype)
+    pipe.text_encoder_2.to(device, dtype)
+    pipe.vae.to(device, dtype)
+    args = dict(
+        prompt="a photo of a cat",
+        height=size,
+        width=size,
+        guidance_scale=3.5,
+        max_sequence_length=text,
+        output_type="latent",
+    )
+    times = []
+    for _ in range(2):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        latents = pipe(
+            **args, num_inference_steps=steps, generator=torch.Generator(device).manual_seed(0)
+        ).images
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {
+        "s_per_image": round(times[-1], 3),
+        "s_first": round(times[0], 3),
+        "latents": latents.float().cpu(),
+    }
+    if ref is not None:
+        out["latents_rel_err"] = rel_err(latents.float().cpu(), ref)
+        out["nan"] = bool(torch.isnan(latents).any())
+    log(f"pipeline: { ({k: v for k, v in out.items() if k != 'latents'}) }")
+    return out
+
+
+def save_and_load(compiled, kw, ref_out) -> dict:
+    """save_compiled, then in a new process: imports, load_compiled, first step (seconds each)."""
+    path = Path("/tmp/flux.art")
+    t0 = time.perf_counter()
+    save_compiled(compiled, path)
+    out = {"save_s": round(time.perf_counter() - t0, 2)}
+    torch.save({k: v.cpu() for k, v in kw.items()}, "/tmp/flux_inputs.pt")
+    torch.save(ref_out.cpu(), "/tmp/flux_ref.pt")
+    child = "\n".join(
+        [
+            "import time, json, torch",
+            "t0 = time.perf_counter()",
+            "import prx_compile, diffusers",
+            "t1 = time.perf_counter()",
+            "ct = prx_compile.load_compiled('/tmp/flux.art')",
+            "t2 = time.perf_counter()",
+            "kw = {k: v.cuda() for k, v in torch.load('/tmp/flux_inputs.pt').items()}",
+            "out = ct(**kw, return_dict=False)[0]; torch.cuda.synchronize(); t3 = time.perf_counter()",
+            "ref = torch.load('/tmp/flux_ref.pt').cuda().float()",
+            "err = float((out.float() - ref).norm() / ref.norm())",
+            "r = {'imports_s': t1 - t0, 'load_compiled_s': t2 - t1, 'first_step_s': t3 - t2, 'rel_err': err}",
+            "print('RESULT', json.dumps(r))",
+        ]
+    )
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    out.update(json.loads(line[7:]) if line else {"error": r.stderr[-1500:]})
+    log(f"saveload: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
