@@ -7,9 +7,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def readme_setup_commands() -> list[str]:
+    """The commands of README.md's one block marked ``<!-- ci: setup -->``."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Set-up", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    blocks = re.findall(r"<!-- ci: setup -->\n```bash\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, f"README.md has {len(blocks)} set-up blocks"
+    block = blocks[0]
     return [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 

@@ -32,7 +32,9 @@ def test_every_code_block_says_where_it_runs(page):
         if where not in ("cpu", "gpu", "setup", "none") and code.strip() and lang in ("bash", "python", "")
     ]
     # the opening one-liner and the diagrams are not commands
-    assert all(c.startswith(("pipe.transformer", "PRXTransformer2DModel", "prx_compile/")) for c in unmarked), (
+    assert all(
+        c.startswith(("pipe.transformer", "PRXTransformer2DModel", "prx_compile/")) for c in unmarked
+    ), (
         page,
         unmarked,
     )
