@@ -109,7 +109,8 @@ class CompileConfig:
         "auto" (the default): FP8 unless ``attention_kernel`` runs FlashAttention-4, whose bf16
         attention ran the fp8 step faster on the H200 than our FP8 kernels (23.58 / 12.60 / 21.63
         against 24.27 / 13.57 / 24.06 ms at 1024² b2, b1 and 832x1216 b2, the same error;
-        ``peers_v15_fp8_h200.json``).
+        ``peers_v15_fp8_h200.json``), or the heads are wider than 64 (at 128, PRXPixel's, our FP8
+        attention took 1.5x the bf16 attention's time; ``attention_kernels_hd128_h200.json``).
     attention_kernel: with ``attention: fused``, how the bf16 joint attention runs: "flash4", one
         FlashAttention-4 call per block over a key-padding layout (``prx_attention_flash4``; the
         ``flash4`` extra, ``pip install 'prx_compile[flash4]'``; measured on Hopper, elsewhere it

@@ -30,6 +30,11 @@ from .shapes import ShapeRange
 #: the ``CompileConfig`` keys a model's spec may give defaults for
 MODEL_DEFAULTS = ("batch", "text_len", "resolution", "vae_scale_factor", "aspect_bins")
 
+#: the widest head ``fp8_attention: auto`` runs on FP8: at head dimension 128 (PRXPixel) our FP8
+#: attention took 1.35-1.42 ms where the bf16 split attention took 0.77-0.94 ms (H200, 24 heads,
+#: 1024² and 832x1216 batch 2; benchmarks/results/attention_kernels_hd128_h200.json)
+FP8_ATTENTION_AUTO_MAX_HEAD_DIM = 64
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -62,9 +67,11 @@ class Plan:
         padded = _one_call_attention(config)
         fp8_attention = False
         if config.precision == "fp8" and config.attention == "fused":
-            fp8_attention = (
-                padded != "flash4" if config.fp8_attention == "auto" else bool(config.fp8_attention)
-            )
+            if config.fp8_attention == "auto":
+                narrow = spec.attention_dims(model)[1] <= FP8_ATTENTION_AUTO_MAX_HEAD_DIM
+                fp8_attention = padded != "flash4" and narrow
+            else:
+                fp8_attention = bool(config.fp8_attention)
         dense = {"flash4": "flash4", "cudnn": "cudnn", None: "cudnn"}[padded]
         if config.attention_kernel == "split":
             dense = "sdpa"

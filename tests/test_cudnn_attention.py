@@ -219,6 +219,19 @@ def test_fp8_attention_auto_gives_way_to_flash_attention_4(monkeypatch, flash4, 
     assert plan_of().lowering().fp8_attention is False  # bf16: never
 
 
+def test_fp8_attention_auto_keeps_heads_of_128_in_bf16(monkeypatch):
+    """At head dimension 128 (PRXPixel) our FP8 attention was 1.5x slower than bf16 on the H200
+    (attention_kernels_hd128_h200.json): ``auto`` keeps such attention in bf16; true still forces it."""
+    from prx_compile.tools.testing import make_prx
+
+    monkeypatch.setattr(flash4_attention, "installed", lambda: False)
+    cfg = CompileConfig.resolve("prx-1024-fp8")
+    wide = make_prx({"hidden_size": 256, "num_heads": 2, "depth": 1, "axes_dim": [64, 64]})
+    assert plan_of(cfg, model=wide).lowering().fp8_attention is False
+    assert plan_of(cfg, model=wide, fp8_attention=True).lowering().fp8_attention is True
+    assert plan_of(cfg).lowering().fp8_attention is True  # the tiny PRX's heads are narrow
+
+
 @pytest.mark.parametrize("value", [1, 0, "yes", None, "AUTO", [True]])
 def test_fp8_attention_takes_true_false_or_auto(value):
     with pytest.raises(ConfigError, match=r"fp8_attention=.* must be true, false or auto"):

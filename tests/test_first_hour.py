@@ -101,7 +101,7 @@ def test_5_notebooks_run_as_the_readme_says_and_show_this_releases_numbers():
     source = "".join("".join(c["source"]) for c in quickstart["cells"])
     for name in re.findall(r"[\w.-]+_h200\.json", source):
         assert (ROOT / "benchmarks" / "results" / name).is_file(), name
-    assert "peers_v16_bf16_h200.json" in source and "noise" in source
+    assert "peers_v17_bf16_h200.json" in source and "noise" in source
 
 
 def test_6_timings_show_their_spread(capsys):

@@ -31,6 +31,7 @@ from ..backends import backend_class, make_backend
 from ..config import DTYPES, CompileConfig
 from ..errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAError, excerpt
 from ..models import ModelSpec, spec_of_class
+from ..plan import Plan
 from ..runtime.module import CompiledTransformer, assemble
 from ..shapes import ShapeRange
 from . import artifact
@@ -181,9 +182,10 @@ def load_compiled(
         return out or None
 
     try:
-        compiled = assemble(model, config, spec=spec, restore=restore, backends=backends)
+        plan = Plan.resolve(config, model, spec)
     except ConfigError as e:  # a config this model or machine cannot take, as the artifact asks
         raise ArtifactError(f"manifest.config: {e}") from e
+    compiled = assemble(model, plan, restore=restore, backends=backends)
     compiled.load_s = time.perf_counter() - t0
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
     return compiled

@@ -103,7 +103,7 @@ class FusedFluxAttnProcessor:
         if encoder_hidden_states is None:
             return out
         t = encoder_hidden_states.shape[1]
-        context, out = out.split_with_sizes([t, out.shape[1] - t], dim=1)
+        context, out = out[:, :t], out[:, t:]  # slices, not split: TensorRT splits no dynamic axis
         out = attn.to_out[1](attn.to_out[0](out.contiguous()))
         return out, attn.to_add_out(context.contiguous())
 

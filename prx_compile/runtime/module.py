@@ -509,18 +509,16 @@ def _install_precision(transformer: torch.nn.Module, plan: Plan) -> None:
 
 def assemble(
     transformer: torch.nn.Module,
-    config: CompileConfig,
+    plan: Plan,
     *,
-    spec: ModelSpec | None = None,
     restore=None,
     backends=None,
     load_s: float | None = None,
 ) -> CompiledTransformer:
     """A ``CompiledTransformer`` over ``transformer``, in the one order both compiling and loading
-    follow: the plan resolved, the precision installed (FP8 copies), ``restore()`` (a loaded
-    artifact's LoRA, which the FP8 copies then follow), the engine sets (``backends(plan)``: a loaded
-    artifact's; None: new ones, built at first use)."""
-    plan = Plan.resolve(config, transformer, spec)
+    follow: the precision installed (FP8 copies), ``restore()`` (a loaded artifact's LoRA, which the
+    FP8 copies then follow), the engine sets (``backends(plan)``: a loaded artifact's; None: new ones,
+    built at first use)."""
     _install_precision(transformer, plan)
     if restore is not None:
         restore()
@@ -558,8 +556,7 @@ def compile_transformer(
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)
-    if cfg.model is not None and cfg.model != spec.name:  # a preset for another model: before the rest
-        Plan.resolve(cfg, transformer, spec)
+    plan = Plan.resolve(cfg, transformer, spec)  # what this model cannot take is refused before any work
     dtype = next(transformer.parameters()).dtype
     if cfg.dtype is not None and cfg.torch_dtype() != dtype:
         raise ConfigError(
@@ -571,15 +568,14 @@ def compile_transformer(
         from ..backends.tensorrt import shim
 
         shim.torch_tensorrt()  # BackendUnavailableError with an install hint, before anything moves
-        Plan.resolve(cfg, transformer, spec)  # a config this model cannot take is refused before the move
         if device.type != "cuda":
             logger.info("moving the transformer to %s for TensorRT", cfg.device)
             transformer.to(cfg.device)
     elif device.type != torch.device(cfg.device).type:  # PyTorch backends run where the model is
-        cfg = cfg.replace(device=str(device))
+        plan = plan.replace(config=plan.config.replace(device=str(device)))
     if transformer.training:
         transformer.eval()
-    compiled = assemble(transformer, cfg, spec=spec)
+    compiled = assemble(transformer, plan)
     return compiled.build() if build else compiled
 
 
