@@ -13,6 +13,7 @@ import copy
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ def main() -> None:
         except Exception as e:  # the failing sequence, shrunk, is in the log
             row["passed"] = False
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            s.log.append(traceback.format_exc())  # which rule failed, and where
         row.update(
             sequences=s.sequences,
             steps=s.steps,
