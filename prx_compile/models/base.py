@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import inspect
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ import torch
 
 from ..errors import ConfigError, ShapeOutOfRangeError
 from ..shapes import ShapeRange
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -254,3 +257,28 @@ def grid_of(tokens: int) -> tuple[int, int]:
     """(rows, cols) of a grid of ``tokens`` cells, as square as divides it (for example ids)."""
     rows = max(r for r in range(1, math.isqrt(tokens) + 1) if tokens % r == 0)
     return rows, tokens // rows
+
+
+@contextlib.contextmanager
+def swapped_processors(
+    model: torch.nn.Module, module_class: str, processor: object, why_not: Any
+) -> Iterator[int]:
+    """Within the block, every module of ``model`` whose class is named ``module_class`` runs
+    ``processor``, except those for which ``why_not(module)`` gives a reason (logged at debug level);
+    yields how many were swapped. The original processors are restored on exit."""
+    swapped: list[tuple[torch.nn.Module, object]] = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ != module_class:
+            continue
+        why = why_not(mod)
+        if why is not None:
+            logger.debug("fused_attention: leaving %s as is: %s", name, why)
+            continue
+        swapped.append((mod, mod.processor))
+        mod.processor = processor
+    logger.debug("fused_attention: %d %s modules swapped", len(swapped), module_class)
+    try:
+        yield len(swapped)
+    finally:
+        for mod, proc in swapped:
+            mod.processor = proc

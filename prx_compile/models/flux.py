@@ -19,13 +19,12 @@ import contextlib
 import logging
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, ShapeOutOfRangeError
-from .base import BlockList, ModelSpec, batch_vector, check_tensor, grid_of
+from .base import BlockList, ModelSpec, batch_vector, check_tensor, grid_of, swapped_processors
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +116,10 @@ def _fusable(attn: torch.nn.Module) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def fused_attention_processors(model: torch.nn.Module) -> Iterator[int]:
+def fused_attention_processors(model: torch.nn.Module) -> contextlib.AbstractContextManager[int]:
     """Within the block, every FLUX attention that runs diffusers' processor runs
     ``FusedFluxAttnProcessor``; yields how many; restored on exit."""
-    swapped: list[tuple[torch.nn.Module, object]] = []
-    fused = FusedFluxAttnProcessor()
-    for name, mod in model.named_modules():
-        if type(mod).__name__ != "FluxAttention":
-            continue
-        why = _fusable(mod)
-        if why is not None:
-            logger.debug("fused_attention: leaving %s as is: %s", name, why)
-            continue
-        swapped.append((mod, mod.processor))
-        mod.processor = fused
-    try:
-        yield len(swapped)
-    finally:
-        for mod, proc in swapped:
-            mod.processor = proc
+    return swapped_processors(model, "FluxAttention", FusedFluxAttnProcessor(), _fusable)
 
 
 class FluxSpec(ModelSpec):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ShapeOutOfRangeError
-from .base import BlockList, ModelSpec, batch_vector, check_tensor
+from .base import BlockList, ModelSpec, batch_vector, check_tensor, swapped_processors
 
 logger = logging.getLogger(__name__)
 
@@ -167,31 +167,18 @@ def _fusable(attn: torch.nn.Module) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def fused_attention_processors(model: torch.nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Within the block, every fusable PRX attention of ``model`` runs ``FusedPRXAttnProcessor``.
+def fused_attention_processors(
+    model: torch.nn.Module, enabled: bool = True
+) -> contextlib.AbstractContextManager[int]:
+    """Within the block, every fusable PRX attention of ``model`` runs ``FusedPRXAttnProcessor``
+    (none with ``enabled`` false).
 
     Yields how many modules were swapped; modules that do not fit (a custom processor, norms with a
     bias) keep theirs, logged at debug level. The original processors are restored on exit.
     """
-    swapped: list[tuple[torch.nn.Module, object]] = []
-    if enabled:
-        fused = FusedPRXAttnProcessor()
-        for name, mod in model.named_modules():
-            if type(mod).__name__ != "PRXAttention":
-                continue
-            why = _fusable(mod)
-            if why is not None:
-                logger.debug("fused_attention: leaving %s as is: %s", name, why)
-                continue
-            swapped.append((mod, mod.processor))
-            mod.processor = fused
-        logger.debug("fused_attention: %d PRX attention modules run prx_attention", len(swapped))
-    try:
-        yield len(swapped)
-    finally:
-        for mod, proc in swapped:
-            mod.processor = proc
+    if not enabled:
+        return contextlib.nullcontext(0)
+    return swapped_processors(model, "PRXAttention", FusedPRXAttnProcessor(), _fusable)
 
 
 class PRXSpec(ModelSpec):
