@@ -97,6 +97,25 @@ def test_roundtrip_holds_the_weights_once_and_the_lora(saved):
     assert torch.equal(loaded(**kw, return_dict=False)[0], base)
 
 
+def test_a_new_process_loads_it_and_computes_the_same(saved, tmp_path):
+    """What a server does: a new Python process whose first prx_compile call is ``load_compiled``
+    (the import-ahead thread and the load both import diffusers' class: 0.17's first cut raced there
+    and raised a raw AttributeError every time)."""
+    path, kw, base, out, model = saved
+    torch.save(kw, tmp_path / "inputs.pt")
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from prx_compile import load_compiled
+        kw = torch.load({str(tmp_path / "inputs.pt")!r})
+        torch.save(load_compiled({str(path)!r})(**kw, return_dict=False)[0], {str(tmp_path / "out.pt")!r})
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), out)
+
+
 def test_loaded_weights_are_not_a_map_of_the_file(artifact):
     loaded = load_compiled(artifact)
     before = {k: v.clone() for k, v in loaded.transformer.state_dict().items()}

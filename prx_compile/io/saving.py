@@ -130,9 +130,17 @@ def load_compiled(
             the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
+    ahead: list[threading.Thread] = []  # the imports, started once the manifest is parsed
     reader = artifact.open_artifact(
-        path, kind=KIND, verify=verify, digest=digest, reads=_files_read, parsed=_import_ahead
+        path,
+        kind=KIND,
+        verify=verify,
+        digest=digest,
+        reads=_files_read,
+        parsed=lambda manifest: ahead.append(_import_ahead(manifest)),
     )
+    for thread in ahead:  # done while the files were verified; two threads importing one package race
+        thread.join()
     m = reader.manifest
     artifact.check_fields(_MANIFEST, m, "manifest")
     config = _config(m, device, backend)
@@ -194,9 +202,10 @@ def load_compiled(
 def _import_ahead(manifest: dict[str, Any]) -> threading.Thread:
     """Start importing, in a thread, what this artifact's load and first call will import: the
     model's diffusers class, Torch-TensorRT (engines) and the kernel packages its attention may run
-    (cuDNN's frontend, FlashAttention-4: seconds each). The files are verified and read meanwhile;
-    the load then finds these modules imported (or waits on Python's import lock for the rest). A
-    failure here only means the load imports it itself, and says why."""
+    (cuDNN's frontend, FlashAttention-4: seconds each). The files are verified meanwhile; the load
+    joins the thread before it imports anything itself (diffusers' lazy modules raise AttributeError
+    when two threads import one class at once). A failure here only means the load imports it
+    itself, and says why."""
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
 
