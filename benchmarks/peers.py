@@ -9,20 +9,23 @@ synchronised median, min and max are beside it (``extra``). Every path is built 
 its first call at each shape is recorded (``build_s``, then ``extra.first_call_s``), then warm
 ms/step and the error against bf16 eager. Parts (each path appended in this order):
   bf16   eager; torch.compile regional (each ``PRXBlock`` ``.compile(dynamic=False)``, diffusers'
-         regional compilation); compile_prx default (``attention_kernel: auto``: one FlashAttention-4
-         call per attention where flash-attn-4 is installed, else one cuDNN call; ``fuse_mlp_gate``:
-         the MLP gate as one cuDNN GEMM with GELU * up in its epilogue; the step replayed before the
-         change check); the same with the change check before the CUDA-graph replay (0.15's order);
-         with ``--ablations`` also: without the fused gate; with ``attention_kernel: cudnn`` and
-         without the fused gate (0.14's default)
+         regional compilation); compile_prx default (each engine set measures its attention kernels
+         (FlashAttention-4, cuDNN, the split path: those installed) and the MLP gate fused into one
+         cuDNN GEMM or not, and runs the fastest; the step replayed before the change check); with
+         ``--ablations`` also: the change check before the CUDA-graph replay (0.15's order); without
+         the fused gate; with ``attention_kernel: cudnn`` and without the fused gate (0.14's default)
   fp8    torch.compile regional + torchao float8 (``Float8DynamicActivationFloat8WeightConfig(PerRow())``
          on the block linears that ``precision: fp8`` quantises, then the blocks compiled); the
-         ``prx-1024-fp8`` preset (``fp8_attention: auto``: bf16 attention on FlashAttention-4 where
-         installed, else FP8 attention); the preset with the change check before the replay; with
-         ``--ablations`` also the preset with ``fp8_attention: true`` (FP8 attention, cuDNN)
+         ``prx-1024-fp8`` preset (``fp8_attention: auto``: our FP8 attention in each tiling and the
+         bf16 kernels measured, the fastest runs); with ``--ablations`` also the preset with
+         ``fp8_attention: true`` and with ``false``
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for -> OUT.json's ``profiles``
+  pipeline (``--model pixel``) a 28-step ``PRXPixelPipeline`` at 1024² (guidance 4: batch 2; a
+         random tiny text encoder, 256 text tokens) with the transformer eager, regionally compiled,
+         and compile_prx's bf16 and fp8 presets: seconds per image (the second of two runs) and the
+         final image's error against eager -> OUT.json's ``pipeline``
 Needs torchao importable for ``fp8``. -> OUT.json in the benchmark layout (``bench.run_bench``).
 """
 
@@ -100,9 +103,8 @@ def paths(parts: list[str], ablations: bool, pixel: bool = False) -> dict:
     if "bf16" in parts:
         out["torch.compile regional"] = regional
         out["compile_prx" + (f"[{bf16}]" if bf16 else "")] = compile_path(bf16)
-        if not pixel:
-            out["compile_prx[checked before the replay]"] = checked_first(compile_path())
         if ablations:
+            out["compile_prx[checked before the replay]"] = checked_first(compile_path())
             out["compile_prx[fuse_mlp_gate: false]"] = compile_path(fuse_mlp_gate=False)
             out["compile_prx[attention_kernel: cudnn, fuse_mlp_gate: false]"] = compile_path(
                 attention_kernel="cudnn", fuse_mlp_gate=False
@@ -122,7 +124,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument(
-        "--parts", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "whole", "profile"]
+        "--parts",
+        nargs="+",
+        default=["bf16", "fp8"],
+        choices=["bf16", "fp8", "whole", "profile", "pipeline"],
     )
     ap.add_argument("--shapes", type=int, default=3, choices=[1, 2, 3])
     ap.add_argument("--ablations", action="store_true", help="also the rows of 0.15's levers (see below)")
@@ -137,8 +142,70 @@ def main() -> None:
     print(table(res), flush=True)
     if "profile" in args.parts:
         res["profiles"] = profiles(model, args.parts, args.ablations, shapes[0], pixel)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if "pipeline" in args.parts and pixel:
+        res["pipeline"] = pixel_pipeline(model)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
+
+
+def pixel_pipeline(model, steps: int = 28, size: int = 1024, text: int = 256) -> dict:
+    """A ``PRXPixelPipeline`` run per transformer form: seconds per image, the image's error."""
+    import time
+    import types
+
+    import diffusers.pipelines.prx.pipeline_prx as prx_pipeline
+    import diffusers.pipelines.prx.pipeline_prx_pixel as pixel_pipeline_module
+
+    from prx_compile import compile_prx
+    from prx_compile.tools.bench import rel_err
+    from prx_compile.tools.testing import tiny_pixel_pipeline
+
+    for module in (prx_pipeline, pixel_pipeline_module):  # diffusers' prompt clean-up needs ftfy, absent
+        if not hasattr(module, "ftfy"):  # on the device: the prompt as it is
+            module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+    pipe = tiny_pixel_pipeline(model, text_len=text)
+    pipe.text_encoder.to("cuda", torch.bfloat16)
+    forms = {
+        "eager": lambda: model,
+        "torch.compile regional": lambda: regional(model),
+        "compile_prx[prx-pixel-1024-bf16]": lambda: compile_prx(model, config="prx-pixel-1024-bf16"),
+        "compile_prx[prx-pixel-1024-fp8]": lambda: compile_prx(
+            copy.deepcopy(model), config="prx-pixel-1024-fp8"
+        ),
+    }
+    out, ref = {"steps": steps, "size": size, "text_tokens": text, "guidance_scale": 4.0}, None
+    for label, make in forms.items():
+        try:
+            pipe.transformer = make()
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                image = pipe(
+                    prompt="a photo of a cat",
+                    height=size,
+                    width=size,
+                    num_inference_steps=steps,
+                    guidance_scale=4.0,
+                    output_type="pt",
+                    use_resolution_binning=False,
+                    generator=torch.Generator("cuda").manual_seed(0),
+                ).images
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            image = image.float().cpu()
+            ref = image if ref is None else ref
+            row = {"s_per_image": round(times[1], 3), "s_first_run": round(times[0], 3)}
+            row["image_rel_err_vs_eager"] = rel_err(image, ref)
+            row["nan"] = bool(image.isnan().any())
+        except Exception as e:
+            row = {"error": f"{type(e).__name__}: {e}"[:500]}
+        out[label] = row
+        print("pipeline", label, row, flush=True)
+        torch.cuda.empty_cache()
+    return out
 
 
 def profiles(model, parts: list[str], ablations: bool, case: Case, pixel: bool) -> dict:

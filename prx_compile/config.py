@@ -103,27 +103,30 @@ class CompileConfig:
     fp8_mlp: with ``precision: fp8``, run each block's MLP as one ``fp8_gated_mlp`` op (three FP8
         GEMMs, the input quantised once, GELU * up quantised in one pass) instead of three FP8 linears
         with an engine for GELU * up between them.
-    fp8_attention: with ``precision: fp8`` and ``attention: fused``, run the joint attention on FP8
-        tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one scale per
-        128 tokens and head, computed on the device); false keeps it in bf16 (``attention_kernel``);
-        "auto" (the default): FP8 unless ``attention_kernel`` runs FlashAttention-4, whose bf16
-        attention ran the fp8 step faster on the H200 than our FP8 kernels (23.58 / 12.60 / 21.63
-        against 24.27 / 13.57 / 24.06 ms at 1024² b2, b1 and 832x1216 b2, the same error;
-        ``peers_v15_fp8_h200.json``), or the heads are wider than 64 (at 128, PRXPixel's, our FP8
-        attention took 1.5x the bf16 attention's time; ``attention_kernels_hd128_h200.json``).
-    attention_kernel: with ``attention: fused``, how the bf16 joint attention runs: "flash4", one
+    fp8_attention: with ``precision: fp8`` and ``attention: fused``, whether PRX's joint attention may
+        run on FP8 tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one
+        scale per block of tokens and head, computed on the device): true, our FP8 kernels only (each
+        engine set measures their tilings and keeps the fastest); false, bf16 only
+        (``attention_kernel``); "auto" (the default), both kinds are candidates and each engine set
+        keeps the fastest within its error bound (``ops.choice``). At 7B (heads of 128) the bf16
+        FlashAttention-4 call won (0.70 ms against 0.87 ms for the best FP8 tiling,
+        ``peers_v18_pixel_h200.json``).
+    attention_kernel: with ``attention: fused``, how the bf16 attention runs: "flash4", one
         FlashAttention-4 call per block over a key-padding layout (``prx_attention_flash4``; the
         ``flash4`` extra, ``pip install 'prx_compile[flash4]'``; measured on Hopper, elsewhere it
         runs the cuDNN call); "cudnn", the same layout as one cuDNN call through cuDNN's frontend
         (``prx_attention_cudnn``; the ``cudnn`` extra); "split", a dense cuDNN call over the image
         keys, a masked one over the text keys and an exact merge (PyTorch's SDPA kernels, no
-        extra); "auto", the first of "flash4", "cudnn" whose package is installed, else "split".
-        All are exact. FP8 attention (``precision: fp8``, ``fp8_attention``) takes precedence.
+        extra); "auto" (the default), every installed one and "split" are candidates: each engine
+        set runs them at its own shape and keeps the fastest (``ops.choice``; ``report()`` shows
+        the timings). FLUX's dense attention: "flash4", "cudnn" (cuDNN's fused attention through
+        torch, no extra), "split" (PyTorch's SDPA), "auto" all of them. All are exact.
     fuse_mlp_gate: where an engine set runs its linears in PyTorch (``static_linears`` /
-        ``range_linears: torch``) and cuDNN's frontend is installed (the ``cudnn`` extra), run each
-        MLP gate ``gelu_tanh(gate_proj(x)) * up_proj(x)`` as one cuDNN GEMM with the GELU and the
-        product in its epilogue (``gelu_gate``) instead of a cuBLAS GEMM and a TensorRT kernel.
-        Not with ``precision: fp8`` (``fp8_mlp`` fuses its MLP).
+        ``range_linears: torch``) and cuDNN's frontend is installed (the ``cudnn`` extra), the MLP
+        gate ``gelu_tanh(gate_proj(x)) * up_proj(x)`` may run as one cuDNN GEMM with the GELU and the
+        product in its epilogue (``gelu_gate``): each engine set times it against a cuBLAS GEMM and
+        the product, and keeps the faster. False: never fused. Not with ``precision: fp8``
+        (``fp8_mlp`` fuses its MLP).
     range_linears: where the engine sets for a range of shapes run their linears: "torch" (cuBLAS,
         between engines; TensorRT-RTX runs dynamic-shape GEMMs with slower Ampere kernels on
         Hopper) or "tensorrt". Only with ``weights: inputs``; with ``weights: engine`` the engines

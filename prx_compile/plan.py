@@ -3,20 +3,21 @@ kernel packages installed here.
 
     plan = Plan.resolve(config, transformer)
     plan.shape_sets()            # the engine sets the config asks for, as ShapeRanges
-    plan.lowering(shapes)        # the lowering settings of one engine set
+    plan.lowering(shapes, choice)  # the lowering settings of one engine set (its measured kernels)
     plan.kept_ops(shapes)        # the ops TensorRT leaves to PyTorch in that set
 
 The config holds what the user asked for ("auto", "unset": the model's default); the plan holds what
-that means here: the config with the model's defaults filled in, the attention kernels the installed
-packages allow, whether the joint attention runs in FP8. The backends, the warm-up and the engine
-cache read the plan; nothing else probes which packages are installed.
+that means here: the config with the model's defaults filled in and the kernel candidates the config
+and the installed packages allow (``attention_candidates``, ``gate_candidates``), among which each
+engine set chooses by measurement (``ops.choice``). The backends, the kernel choice and the
+engine cache read the plan; nothing else probes which packages are installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,15 +26,14 @@ from .errors import ConfigError
 from .lowering import LoweringSettings
 from .models import ModelSpec, spec_for
 from .ops import cudnn_attention, flash4_attention, registry
+from .ops.fp8_attention import TILES
 from .shapes import ShapeRange
+
+if TYPE_CHECKING:
+    from .ops.choice import KernelChoice
 
 #: the ``CompileConfig`` keys a model's spec may give defaults for
 MODEL_DEFAULTS = ("batch", "text_len", "resolution", "vae_scale_factor", "aspect_bins")
-
-#: the widest head ``fp8_attention: auto`` runs on FP8: at head dimension 128 (PRXPixel) our FP8
-#: attention took 1.35-1.42 ms where the bf16 split attention took 0.77-0.94 ms (H200, 24 heads,
-#: 1024² and 832x1216 batch 2; benchmarks/results/attention_kernels_hd128_h200.json)
-FP8_ATTENTION_AUTO_MAX_HEAD_DIM = 64
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,10 @@ class Plan:
     config: CompileConfig
     spec: ModelSpec
     model_config: Any
-    padded_attention: str | None  # the one-call joint attention (PRX): "flash4", "cudnn" or None
-    dense_attention: str  # the dense attention's kernel (FLUX): "flash4", "cudnn" or "sdpa"
-    fp8_attention: bool
+    #: the attention kernels an engine set chooses among, the unmeasured default first: PRX "fp8/<i>"
+    #: (our FP8 kernels in tiling i of ``ops.fp8_attention.TILES``), "flash4", "cudnn", "split";
+    #: FLUX (dense) "flash4", "cudnn", "sdpa"
+    attention_candidates: tuple[str, ...]
     cudnn_frontend: bool  # cuDNN's frontend is installed (the MLP gate's fused GEMM)
     gate: bool  # the model has a gated MLP the gelu_gate rule fuses
 
@@ -64,24 +65,11 @@ class Plan:
         config = config.replace(**filled, model=spec.name) if filled or config.model is None else config
         for family in config.aspect_bins:
             spec.aspect_sizes(family, model.config)  # a ConfigError naming the families it has
-        padded = _one_call_attention(config)
-        fp8_attention = False
-        if config.precision == "fp8" and config.attention == "fused":
-            if config.fp8_attention == "auto":
-                narrow = spec.attention_dims(model)[1] <= FP8_ATTENTION_AUTO_MAX_HEAD_DIM
-                fp8_attention = padded != "flash4" and narrow
-            else:
-                fp8_attention = bool(config.fp8_attention)
-        dense = {"flash4": "flash4", "cudnn": "cudnn", None: "cudnn"}[padded]
-        if config.attention_kernel == "split":
-            dense = "sdpa"
         plan = cls(
             config=config,
             spec=spec,
             model_config=model.config,
-            padded_attention=padded,
-            dense_attention=dense,
-            fp8_attention=fp8_attention,
+            attention_candidates=_attention_candidates(config, spec),
             cudnn_frontend=cudnn_attention.installed(),
             gate=spec.gate_width(model) is not None,
         )
@@ -93,15 +81,15 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     def kernels(self) -> dict[str, Any]:
-        """The kernels this plan chose (``report()``)."""
-        if self.spec.attention == "dense":
-            return {"attention": self.dense_attention}
+        """The kernel candidates of this plan (``report()`` before any set is built)."""
         return {
-            "attention": "fp8" if self.fp8_attention else (self.padded_attention or "split"),
-            "gelu_gate": self.cudnn_frontend
-            and self.gate
+            "attention": list(self.attention_candidates),
+            "gelu_gate": [True, False]
+            if self.gate
+            and self.cudnn_frontend
             and self.config.fuse_mlp_gate
-            and self.config.precision != "fp8",
+            and self.config.precision != "fp8"
+            else [False],
         }
 
     # -- per engine set --------------------------------------------------------------------------
@@ -114,8 +102,9 @@ class Plan:
         return (cfg.static_linears if shapes.is_static() else cfg.range_linears) == "torch"
 
     def gelu_gate(self, shapes: ShapeRange | None) -> bool:
-        """Whether engine sets over ``shapes`` run the MLP gate as cuDNN's fused GEMM: ``fuse_mlp_gate``,
-        a gated MLP, its linears in PyTorch, cuDNN's frontend installed and not ``precision: fp8``."""
+        """Whether engine sets over ``shapes`` may run the MLP gate as cuDNN's fused GEMM:
+        ``fuse_mlp_gate``, a gated MLP, its linears in PyTorch, cuDNN's frontend installed and not
+        ``precision: fp8`` (the set's measurement then decides)."""
         cfg = self.config
         return (
             cfg.fuse_mlp_gate
@@ -125,18 +114,31 @@ class Plan:
             and self.cudnn_frontend
         )
 
-    def lowering(self, shapes: ShapeRange | None = None) -> LoweringSettings:
-        """The ``LoweringSettings`` of TensorRT engines over ``shapes`` (None: for a PyTorch backend,
-        which keeps ``aten.linear`` for its own compiler)."""
+    def gate_candidates(self, shapes: ShapeRange | None) -> tuple[bool, ...]:
+        """The MLP gate forms engine sets over ``shapes`` choose among, the unmeasured default first."""
+        return (True, False) if self.gelu_gate(shapes) else (False,)
+
+    def lowering(
+        self, shapes: ShapeRange | None = None, choice: KernelChoice | None = None
+    ) -> LoweringSettings:
+        """The ``LoweringSettings`` of engines over ``shapes`` (None: a PyTorch backend, which keeps
+        ``aten.linear`` for its own compiler) running the kernels ``choice`` names (None: the first
+        candidates)."""
         cfg = self.config
+        attention = choice.attention if choice is not None else self.attention_candidates[0]
+        if attention not in self.attention_candidates:
+            raise ConfigError(f"attention kernel {attention!r} is not one of {self.attention_candidates}.")
+        gate = choice.gelu_gate if choice is not None else self.gate_candidates(shapes)[0]
+        joint = self.spec.attention == "joint"
         return LoweringSettings(
             attention="tensorrt" if cfg.attention == "tensorrt" else "flash",
             select_as_slice=cfg.select_as_slice,
             fp8_mlp=cfg.fp8_mlp,
-            fp8_attention=self.fp8_attention,
-            padded_attention=self.padded_attention if cfg.attention == "fused" else None,
-            dense_attention=self.dense_attention,
-            gelu_gate=self.gelu_gate(shapes),
+            fp8_attention=joint and attention.startswith("fp8/"),
+            fp8_tile=int(attention[4:]) if joint and attention.startswith("fp8/") else 0,
+            padded_attention=attention if joint and attention in ("flash4", "cudnn") else None,
+            dense_attention=attention if not joint else "sdpa",
+            gelu_gate=gate and self.gelu_gate(shapes),
             linears_in_torch=self.linears_in_torch(shapes),
         )
 
@@ -153,8 +155,16 @@ class Plan:
 
     def engine_key(self, shapes: ShapeRange) -> dict[str, Any]:
         """What the engines of a set over ``shapes`` depend on besides the model and its shapes: the
-        config's engine settings and the lowering the plan resolved (the kernels, where linears run)."""
-        return {**self.config.engine_settings(), "lowering": dataclasses.asdict(self.lowering(shapes))}
+        config's engine settings, the lowering the plan resolved (where linears run) and the kernel
+        candidates (the set's measured choice is kept with its engines)."""
+        return {
+            **self.config.engine_settings(),
+            "lowering": dataclasses.asdict(self.lowering(shapes)),
+            "candidates": {
+                "attention": list(self.attention_candidates),
+                "gelu_gate": list(self.gate_candidates(shapes)),
+            },
+        }
 
     # -- shapes ----------------------------------------------------------------------------------
     def static(self, batch: int, height: int, width: int, text: int) -> ShapeRange:
@@ -221,22 +231,36 @@ class Plan:
         return sets
 
 
-def _one_call_attention(config: CompileConfig) -> str | None:
-    """The one-call attention ``attention_kernel`` asks for: "flash4", "cudnn" or None (the split
-    path). "auto" takes the first whose package is installed; "flash4" or "cudnn" without its package
-    is a ConfigError that names the extra."""
-    if config.attention_kernel == "split":
-        return None
+def _attention_candidates(config: CompileConfig, spec: ModelSpec) -> tuple[str, ...]:
+    """The attention kernels ``config`` allows here (see ``Plan.attention_candidates``).
+
+    ``attention_kernel``: "auto" takes every installed one-call kernel and the split path (FLUX:
+    PyTorch's SDPA, and cuDNN through PyTorch, which needs no extra), "split" the split path only,
+    "flash4" or "cudnn" that kernel only (a ConfigError naming the extra where its package is
+    missing). With ``precision: fp8`` and fused attention, ``fp8_attention`` true makes our FP8
+    kernels (each tiling) the only candidates, "auto" adds them first, false leaves them out."""
+    kernel = config.attention_kernel
     packages = {"flash4": flash4_attention.installed, "cudnn": cudnn_attention.installed}
-    if config.attention_kernel == "auto":
-        return next((kind for kind, installed in packages.items() if installed()), None)
-    if packages[config.attention_kernel]():
-        return config.attention_kernel
-    needs = {
-        "flash4": "FlashAttention-4 (the flash-attn-4 package)",
-        "cudnn": "cuDNN's frontend (the nvidia-cudnn-frontend package)",
-    }[config.attention_kernel]
-    raise ConfigError(
-        f"attention_kernel={config.attention_kernel} needs {needs}.",
-        f"pip install 'prx_compile[{config.attention_kernel}]', or use attention_kernel: split.",
-    )
+    if kernel in packages and not packages[kernel]():
+        needs = {
+            "flash4": "FlashAttention-4 (the flash-attn-4 package)",
+            "cudnn": "cuDNN's frontend (the nvidia-cudnn-frontend package)",
+        }[kernel]
+        raise ConfigError(
+            f"attention_kernel={kernel} needs {needs}.",
+            f"pip install 'prx_compile[{kernel}]', or use attention_kernel: split.",
+        )
+    if spec.attention == "dense":
+        if kernel == "auto":
+            return (*(("flash4",) if flash4_attention.installed() else ()), "cudnn", "sdpa")
+        return ("sdpa",) if kernel == "split" else (kernel,)
+    if config.attention != "fused":
+        return ("split",)  # the attention op of the unfused form runs the split path
+    if kernel == "auto":
+        bf16 = (*(k for k, installed in packages.items() if installed()), "split")
+    else:
+        bf16 = (kernel,) if kernel != "split" else ("split",)
+    fp8 = tuple(f"fp8/{i}" for i in range(len(TILES)))
+    if config.precision != "fp8" or config.fp8_attention is False:
+        return bf16
+    return fp8 if config.fp8_attention is True else fp8 + bf16

@@ -73,6 +73,12 @@ def _timed(times: dict[str, float], key: str, t0: float) -> Iterator[None]:
         times[key] = time.perf_counter() - t0
 
 
+def note(text: str) -> None:
+    """One line on stderr, when enabled (a result worth seeing, e.g. the kernels a set chose)."""
+    if enabled():
+        print(f"prx-compile: {text}", file=sys.stderr, flush=True)
+
+
 def items(iterable: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
     """``iterable`` with a bar in a terminal (one line when done elsewhere), when enabled."""
     if not enabled():

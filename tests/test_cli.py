@@ -73,8 +73,10 @@ def test_demo_names_what_runs_and_matches_eager():
         assert expected in out, out
     assert "joint_attention" not in out  # the fused default runs prx_attention
     # progress went to stderr, one line per finished stage, none repeated
-    stages = [line for line in r.stderr.splitlines() if line.startswith("prx-compile: ")]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("prx-compile: ")]
+    stages = [line for line in lines if not line.startswith("prx-compile: kernels for ")]
     assert stages and len(stages) == len(set(stages)) and all("done in" in s for s in stages), r.stderr
+    assert len(lines) == len(stages) + 1, r.stderr  # one line: the kernels the set chose, and why
     r = run("demo", "--quiet", "--attention", "tensorrt", "--patchify", "reshape")
     assert r.returncode == 0 and "scaled_dot_product_attention.default       2 ->   0" in r.stdout
     assert not r.stderr.strip()

@@ -206,30 +206,34 @@ def test_every_prx_compile_op_may_run_in_a_program():
     assert set(ops) <= set(program.OPS), set(ops) - set(program.OPS)
 
 
-@pytest.mark.parametrize("flash4, expected", [(True, False), (False, True)])
-def test_fp8_attention_auto_gives_way_to_flash_attention_4(monkeypatch, flash4, expected):
-    """``fp8_attention: auto`` (the default): FP8 attention unless the bf16 attention runs on
-    FlashAttention-4 (faster on the H200, peers_v15_fp8_h200.json); true and false are kept."""
+FP8 = ("fp8/0", "fp8/1", "fp8/2", "fp8/3")
+
+
+@pytest.mark.parametrize(
+    "overrides, flash4, cudnn, expected",
+    [
+        ({}, True, True, ("flash4", "cudnn", "split")),
+        ({}, False, False, ("split",)),
+        ({"attention_kernel": "cudnn"}, True, True, ("cudnn",)),
+        ({"attention": "flash"}, True, True, ("split",)),
+        ({"precision": "fp8"}, True, False, (*FP8, "flash4", "split")),
+        ({"precision": "fp8", "fp8_attention": True}, True, True, FP8),
+        ({"precision": "fp8", "fp8_attention": False}, False, True, ("cudnn", "split")),
+        ({"precision": "fp8", "attention_kernel": "split"}, True, True, (*FP8, "split")),
+    ],
+)
+def test_the_attention_candidates_are_what_the_config_and_the_packages_allow(
+    monkeypatch, overrides, flash4, cudnn, expected
+):
+    """Each engine set measures these and keeps the fastest (``ops.choice``): no size rule
+    decides; ``fp8_attention: true`` and an explicit kernel narrow them; unmeasured, the first runs."""
     monkeypatch.setattr(flash4_attention, "installed", lambda: flash4)
-    cfg = CompileConfig.resolve("prx-1024-fp8")
-    assert cfg.fp8_attention == "auto"
-    assert plan_of(cfg).lowering().fp8_attention is expected
-    assert plan_of(cfg, fp8_attention=True).lowering().fp8_attention is True
-    assert plan_of(cfg, fp8_attention=False).lowering().fp8_attention is False
-    assert plan_of().lowering().fp8_attention is False  # bf16: never
-
-
-def test_fp8_attention_auto_keeps_heads_of_128_in_bf16(monkeypatch):
-    """At head dimension 128 (PRXPixel) our FP8 attention was 1.5x slower than bf16 on the H200
-    (attention_kernels_hd128_h200.json): ``auto`` keeps such attention in bf16; true still forces it."""
-    from prx_compile.tools.testing import make_prx
-
-    monkeypatch.setattr(flash4_attention, "installed", lambda: False)
-    cfg = CompileConfig.resolve("prx-1024-fp8")
-    wide = make_prx({"hidden_size": 256, "num_heads": 2, "depth": 1, "axes_dim": [64, 64]})
-    assert plan_of(cfg, model=wide).lowering().fp8_attention is False
-    assert plan_of(cfg, model=wide, fp8_attention=True).lowering().fp8_attention is True
-    assert plan_of(cfg).lowering().fp8_attention is True  # the tiny PRX's heads are narrow
+    monkeypatch.setattr(cudnn_attention, "installed", lambda: cudnn)
+    plan = plan_of(**overrides)
+    assert plan.attention_candidates == expected
+    first = plan.lowering()
+    assert first.fp8_attention is (expected[0] == "fp8/0")
+    assert first.padded_attention == (expected[0] if expected[0] in ("flash4", "cudnn") else None)
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None, "AUTO", [True]])

@@ -46,10 +46,8 @@ def test_the_compiled_step_is_eagers_and_takes_flux_arguments():
     out = ct(*args, timestep=0.5, img_ids=kw["img_ids"][None], txt_ids=kw["txt_ids"], guidance=kw["guidance"])
     ref = eager(model, {**kw, "timestep": torch.full((2,), 0.5)})
     assert torch.equal(out.sample, ref)
-    assert ct.report()["kernels"] == {"attention": "cudnn"} or ct.report()["kernels"]["attention"] in (
-        "flash4",
-        "sdpa",
-    )
+    kernels = ct.report()["kernels"]  # a CPU measures nothing: the first candidate, PyTorch's cuDNN SDPA
+    assert (kernels["attention"], kernels["how"]) == ("cudnn", "not measured (no CUDA)"), kernels
 
 
 def test_bad_flux_inputs_are_one_line_before_any_work():

@@ -71,35 +71,3 @@ def test_ops_are_exportable_and_keep_their_names():
     args = (rand(1, 4, 2, 8), rand(1, 6, 2, 8), rand(1, 6, 2, 8), torch.ones(1, 6, dtype=torch.bool))
     ep = torch.export.export(M(), args)
     assert any(n.target == torch.ops.prx_compile.flash_attention.default for n in ep.graph.nodes)
-
-
-def test_the_warm_up_runs_the_attention_op_and_starts_only_for_a_cuda_prx():
-    from prx_compile.lowering import LoweringSettings
-    from prx_compile.models import SPECS
-    from prx_compile.ops import warm_up
-    from prx_compile.tools.testing import TINY_PRX, make_prx
-
-    warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"))  # no error
-    warm_up.warm_up(4, 16, torch.float32, torch.device("cpu"), gate_width=24)  # with the MLP gate
-    model = make_prx(TINY_PRX)
-    spec = SPECS["prx"]
-    example = spec.example_inputs(model, 1, 4, 4, 3)
-    assert (
-        warm_up.in_background(model, spec, example, LoweringSettings()) is None
-    )  # a CPU model: nothing to warm
-
-
-def test_the_warm_up_takes_the_sets_own_step_shape():
-    from prx_compile.models import SPECS
-    from prx_compile.ops import warm_up
-    from prx_compile.tools.testing import TINY_PRX, make_prx
-
-    model = make_prx(TINY_PRX)
-    p, c = model.config.patch_size, model.config.in_channels
-    example = {
-        "hidden_states": torch.zeros(3, c, 6 * p, 4 * p),
-        "encoder_hidden_states": torch.zeros(3, 7, model.config.context_in_dim),
-    }
-    assert SPECS["prx"].step_tokens(model, example) == (3, 24, 7)  # batch, image tokens, text tokens
-    warm_up.warm_up(heads=4, head_dim=16, dtype=torch.float32, device=torch.device("cpu"), shape=(3, 24, 7))
-    warm_up.warm_up(4, 16, torch.float32, torch.device("cpu"), shape=(3, 24, 7), dense="cudnn")  # FLUX's

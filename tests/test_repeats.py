@@ -166,6 +166,7 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
     from prx_compile.backends.tensorrt.backend import TensorRTBackend, program_of
     from prx_compile.backends.tensorrt.program import Program
     from prx_compile.config import CompileConfig
+    from prx_compile.ops import choice
     from prx_compile.shapes import ShapeRange
 
     root = torch.nn.Module()
@@ -195,8 +196,10 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
 
     monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
     model = torch.nn.Module()
-    backend = TensorRTBackend(model, plan_of(CompileConfig()), ShapeRange.static(1, 8, 8, 4))
+    plan = plan_of(CompileConfig())
+    backend = TensorRTBackend(model, plan, ShapeRange.static(1, 8, 8, 4))
     backend.program, backend.engines, backend.constants = program, engines, constants
+    backend.kernels = choice.unmeasured(plan, backend.shapes, "not measured (a test)")
     state = backend.state()
     assert sorted(state.blobs) == ["_run_on_acc_0.engine", "_run_on_acc_1.engine"]
     assert state.blobs["_run_on_acc_1.engine"] == b"block"

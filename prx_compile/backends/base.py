@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from ..ops.choice import KernelChoice
 from ..plan import Plan
 from ..shapes import ShapeRange
 
@@ -44,11 +45,15 @@ class Backend(abc.ABC):
         self.spec = plan.spec
         self.shapes = shapes
         self.build_s: float | None = None
-        #: where this set's first call went, in seconds: ``export_s``, ``lower_s``, (TensorRT)
-        #: ``decompose_s`` (Torch-TensorRT's decompositions), ``compile_s`` (the backend's compiler),
+        #: where this set's first call went, in seconds: ``export_s``, ``kernels_s`` (waiting for the
+        #: kernels' measurement; TensorRT: ``kernels_measure_s``, the measurement itself, beside the
+        #: export), ``lower_s``, (TensorRT) ``decompose_s`` (Torch-TensorRT's decompositions),
+        #: ``compile_s`` (the backend's compiler),
         #: ``first_run_s`` (the first step, JIT kernels included) and, with CUDA graphs,
         #: ``graph_capture_s``; a loaded set has ``load_s`` instead of the build stages.
         self.timings: dict[str, float] = {}
+        #: the kernels this set runs, measured when it was built (``ops.choice``)
+        self.kernels: KernelChoice | None = None
 
     @property
     def is_built(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 from .. import progress
 from ..export import export_step, weight_tensors
 from ..lowering import lower
+from ..ops import choice
 from .base import Backend, BackendState, SetReport, empty_report
 
 
@@ -31,8 +32,11 @@ class TorchBackend(Backend):
             ep, self.weight_names = export_step(
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
+        with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
+            self.kernels = choice.choose(self.plan, self.model, self.shapes, example)
+        progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
         with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-            gm = lower(ep.module(), self.plan.lowering())
+            gm = lower(ep.module(), self.plan.lowering(None, self.kernels))
         self.graph_module = gm
         dynamic = not self.shapes.is_static()
         self.fn = torch.compile(gm, dynamic=dynamic) if cfg.backend == "inductor" else gm

@@ -139,8 +139,6 @@ def load_compiled(
         reads=_files_read,
         parsed=lambda manifest: ahead.append(_import_ahead(manifest)),
     )
-    for thread in ahead:  # done while the files were verified; two threads importing one package race
-        thread.join()
     m = reader.manifest
     artifact.check_fields(_MANIFEST, m, "manifest")
     config = _config(m, device, backend)
@@ -150,9 +148,12 @@ def load_compiled(
             f"the artifact runs on {config.device}, and this machine has no CUDA GPU.",
             "load it with backend='eager', device='cpu' (its engine sets are then built again).",
         )
+    weights = reader.read_tensors(WEIGHTS, config.device)  # while the imports run
+    for thread in ahead:  # two threads importing one package race: the load imports nothing before
+        thread.join()
     if config.backend == "tensorrt" and not rebuild:
-        check_compatible(m)  # before any tensor is read
-    model, spec = _load_model(reader, config)
+        check_compatible(m)  # before the model is made or an engine read
+    model, spec = _load_model(reader, config, weights)
     records = m["sets"]  # at most 256, each {shapes, state}: _MANIFEST
     shapes = []
     for i, rec in enumerate(records):
@@ -299,10 +300,13 @@ def _recorded(metadata: dict[str, str], key: str, rel: str) -> Any:
         raise ArtifactError(f"{rel} has no valid {key} record in its header.") from e
 
 
-def _load_model(reader: artifact.Reader, config: CompileConfig) -> tuple[torch.nn.Module, ModelSpec]:
+def _load_model(
+    reader: artifact.Reader, config: CompileConfig, weights: tuple[dict[str, torch.Tensor], dict[str, str]]
+) -> tuple[torch.nn.Module, ModelSpec]:
     """The model (and its spec) from the class and config recorded in the weights file's header (the
-    manifest holds a copy, which must match), with those weights."""
-    state, meta = reader.read_tensors(WEIGHTS, config.device)
+    manifest holds a copy, which must match), with those weights (``weights``: its tensors and header
+    metadata, as ``read_tensors`` returned them)."""
+    state, meta = weights
     model_rec = _recorded(meta, "prx_compile.model", WEIGHTS)
     if model_rec != reader.manifest.get("model"):
         raise ArtifactError(f"manifest.model does not match the record in {WEIGHTS}.")

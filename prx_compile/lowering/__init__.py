@@ -59,6 +59,7 @@ class LoweringSettings:
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
+    fp8_tile: the FP8 kernels' tiling, an index into ``ops.fp8_attention.TILES``.
     padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
         layout: "flash4" (``prx_attention_flash4``), "cudnn" (``prx_attention_cudnn``) or None.
     dense_attention: the kernel each dense ``prx_compile::attention`` runs: "sdpa", "cudnn", "flash4".
@@ -71,6 +72,7 @@ class LoweringSettings:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_attention: bool = False
+    fp8_tile: int = 0
     padded_attention: str | None = None
     dense_attention: str = "sdpa"
     gelu_gate: bool = False

@@ -25,6 +25,11 @@ FP8_MAX = 448.0
 BLOCK_M = 128  # queries per program and per Q scale
 BLOCK_N = 128  # keys per step and per K / V scale
 
+#: the kernels' tilings (BLOCK_M, BLOCK_N, num_warps, num_stages) an engine set chooses among by
+#: measurement (``ops.choice``; ``prx_attention_fp8``'s ``tile`` argument indexes this). 0 is
+#: the tiling tuned at head dimension 64; at 128 its 128x128 fp32 accumulator over 4 warps spills.
+TILES = ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3))
+
 
 def _kernels():
     """(quant_kv, attention, triton), imported on first use."""
@@ -57,21 +62,20 @@ def joint_attention_fp8(
     k_b: torch.Tensor,
     v_b: torch.Tensor,
     scale: float,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    tile: int = 0,
 ) -> torch.Tensor:
     """Attention of q over [k_a under mask_a; k_b] with Q, K, V, P in e4m3 (the Triton kernels).
 
     Args:
         q: (B, Lq, H, D) fp16/bf16. k_a, v_a: (B, La, H, D), the masked (text) keys; mask_a (B, La)
         bool, True = attend. k_b, v_b: (B, Lb, H, D), always attended. scale: softmax scale.
-        block_m, block_n: queries and keys per block (and per scale); num_warps, num_stages: Triton's.
+        tile: an index into ``TILES``: queries and keys per block (and per scale), Triton's warps
+            and stages.
 
     Returns:
         (B, Lq, H, D) contiguous in q's dtype; a row with no kept key is 0.
     """
+    block_m, block_n, num_warps, num_stages = TILES[tile]
     quant_kv, attention, triton = _kernels()
     b, lq, h, d = q.shape
     la, lb = k_a.shape[1], k_b.shape[1]
@@ -118,11 +122,11 @@ def joint_attention_fp8_torch(
     k_b: torch.Tensor,
     v_b: torch.Tensor,
     scale: float,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    tile: int = 0,
 ) -> torch.Tensor:
     """The kernels' block quantisation of Q, K and V in PyTorch ops, then exact fp32 attention (P not
     quantised): the named CPU fallback of ``joint_attention_fp8``. Same arguments and result."""
+    block_m, block_n = TILES[tile][:2]
     keep_a = mask_a.bool()
     zero = keep_a[:, :, None, None].to(k_a.dtype)
     k = torch.cat([k_a * zero, k_b], 1)

@@ -270,11 +270,22 @@ def _norm_rope(x, weight, eps, rope, v):
 
 
 def _prx_attention(
-    img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8, padded=None
+    img_qkv,
+    txt_kv,
+    text_mask,
+    rope,
+    q_weight,
+    k_weight,
+    text_k_weight,
+    heads,
+    eps,
+    scale,
+    fp8=None,
+    padded=None,
 ):
-    """``prx_attention``'s body; ``fp8`` picks ``_joint_fp8`` for the attention itself, ``padded``
-    ("flash4" or "cudnn") the one-call attention of ``prx_attention_flash4`` / ``prx_attention_cudnn``
-    where it runs."""
+    """``prx_attention``'s body; ``fp8`` (None, or a tile index into ``fp8_attention.TILES``) picks
+    ``_joint_fp8`` for the attention itself, ``padded`` ("flash4" or "cudnn") the one-call
+    attention of ``prx_attention_flash4`` / ``prx_attention_cudnn`` where it runs."""
     d = q_weight.shape[0] if q_weight.dim() == 1 else -1
     _expect(
         heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
@@ -319,8 +330,8 @@ def _prx_attention(
     q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
     k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
     tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
-    if fp8:
-        out = _joint_fp8(q, tk, tv, text_mask.bool(), k, v, scale)
+    if fp8 is not None:
+        out = _joint_fp8(q, tk, tv, text_mask.bool(), k, v, scale, fp8)
     else:
         out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
     return out.reshape(b, seq, heads * d)
@@ -393,7 +404,7 @@ def prx_attention(
         (B, L, H*D), the input of ``to_out``.
     """
     return _prx_attention(
-        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=False
+        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=None
     )
 
 
@@ -420,22 +431,32 @@ def prx_attention_fp8(
     heads: int,
     eps: float,
     scale: float,
+    tile: int = 0,
 ) -> torch.Tensor:
     """``prx_attention`` with the joint attention in FP8 (``precision: fp8``, ``fp8_attention``).
 
-    Same arguments and result shape. The norms and RoPE run as in ``prx_attention``; then queries,
-    keys and values are quantised to e4m3 with one scale per 128 tokens and head, computed on the
-    device, and attention runs on FP8 tensor cores (``fp8_attention.joint_attention_fp8``; padded
-    text keys contribute nothing). Elsewhere (CPU, or a GPU or head dim the kernels do not take) the
-    named fallback ``fp8_attention.joint_attention_fp8_torch`` runs the same quantisation in PyTorch
-    ops with exact attention after it.
+    Same arguments and result shape, and ``tile``: the kernels' tiling, an index into
+    ``fp8_attention.TILES`` (the engine set's measurement chose it: ``ops.choice``). The
+    norms and RoPE run as in ``prx_attention``; then queries, keys and values are quantised to e4m3
+    with one scale per block of tokens (the tile's) and head, computed on the device, and attention
+    runs on FP8 tensor cores (``fp8_attention.joint_attention_fp8``; padded text keys contribute
+    nothing). Elsewhere (CPU, or a GPU or head dim the kernels do not take) the named fallback
+    ``fp8_attention.joint_attention_fp8_torch`` runs the same quantisation in PyTorch ops with exact
+    attention after it.
     """
+    from .fp8_attention import TILES
+
+    _expect(0 <= tile < len(TILES), f"tile={tile} is not an index into fp8_attention.TILES")
     return _prx_attention(
-        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=True
+        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, fp8=tile
     )
 
 
-prx_attention_fp8.register_fake(_prx_attention_fake)
+@prx_attention_fp8.register_fake
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, tile=0):
+    return _prx_attention_fake(
+        img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale
+    )
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention_cudnn", mutates_args=())
@@ -471,7 +492,7 @@ def prx_attention_cudnn(
         heads,
         eps,
         scale,
-        fp8=False,
+        fp8=None,
         padded="cudnn",
     )
 
@@ -510,7 +531,7 @@ def prx_attention_flash4(
         heads,
         eps,
         scale,
-        fp8=False,
+        fp8=None,
         padded="flash4",
     )
 
@@ -518,12 +539,12 @@ def prx_attention_flash4(
 prx_attention_flash4.register_fake(_prx_attention_fake)
 
 
-def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale):
+def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale, tile=0):
     from . import fp8_attention as fa
 
     if fa.supported(q):
-        return fa.joint_attention_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale)
-    return fa.joint_attention_fp8_torch(q, k_a, v_a, mask_a, k_b, v_b, scale)
+        return fa.joint_attention_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale, tile)
+    return fa.joint_attention_fp8_torch(q, k_a, v_a, mask_a, k_b, v_b, scale, tile)
 
 
 def _check_fp8_weight(name: str, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, k: int) -> int:

@@ -414,12 +414,19 @@ class CompiledTransformer(torch.nn.Module):
 
     def report(self) -> dict[str, Any]:
         """Engine sets (shapes, engines (distinct) and engine calls, PyTorch segments, ops kept in
-        PyTorch, build time and where a set's first call went: ``timings``), the kernels the plan chose,
-        versions."""
+        PyTorch, build time and where a set's first call went: ``timings``; the kernels it measured and
+        chose: ``kernels``, ``choice.KernelChoice``), the first built set's kernels (before any is
+        built: the candidates), versions."""
         backends = self.sets.backends
         built = [b for b in backends if b.is_built]
         sets = [
-            {"shapes": b.shapes.describe(), "build_s": b.build_s, "timings": dict(b.timings), **b.report()}
+            {
+                "shapes": b.shapes.describe(),
+                "build_s": b.build_s,
+                "timings": dict(b.timings),
+                "kernels": b.kernels.to_json() if b.kernels is not None else None,
+                **b.report(),
+            }
             if b.is_built
             else {"shapes": b.shapes.describe(), "build_s": None}
             for b in backends
@@ -434,7 +441,7 @@ class CompiledTransformer(torch.nn.Module):
             "attention": cfg.attention,
             "weights": cfg.weights,
             "precision": cfg.precision,
-            "kernels": plan.kernels(),
+            "kernels": sets[backends.index(built[0])]["kernels"] if built else plan.kernels(),
             "cuda_graphs": self.sets.graphs_on,
             "shapes": self.shapes.describe(),
             "engine_sets": sets,

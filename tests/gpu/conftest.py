@@ -23,16 +23,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def fused_op() -> str:
-    """The op ``attention: fused`` runs with the default ``attention_kernel: auto``: the one-call
-    FlashAttention-4 attention where it is installed, else the cuDNN one where cuDNN's frontend is,
-    else ``prx_attention``."""
-    from prx_compile import CompileConfig
-    from prx_compile.plan import Plan
-    from prx_compile.tools.testing import make_prx
-
-    kind = Plan.resolve(CompileConfig.resolve(None), make_prx()).padded_attention
-    return f"prx_compile.prx_attention{'_' + kind if kind else ''}.default"
+def fused_op(report: dict) -> str:
+    """The op ``attention: fused`` runs for the kernel a compiled module's first set measured and chose
+    (``report()["kernels"]["attention"]``): the one-call FlashAttention-4 or cuDNN attention, the split
+    ``prx_attention`` or the FP8 one."""
+    kind = report["kernels"]["attention"]
+    suffix = {"flash4": "_flash4", "cudnn": "_cudnn", "split": ""}.get(kind, "_fp8")
+    return f"prx_compile.prx_attention{suffix}.default"
 
 
 #: Small enough to build in seconds, wide enough for real attention kernels (head dim 64).

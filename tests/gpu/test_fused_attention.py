@@ -69,6 +69,6 @@ def test_compile_prx_fused_switch(fused):
         out = ct(**kw, return_dict=False)[0]
         assert rel_err(out, eager(model, kw)) < TOL
     rep = ct.report()
-    op = fused_op() if fused else "prx_compile.joint_attention.default"
+    op = fused_op(rep) if fused else "prx_compile.joint_attention.default"
     assert rep["torch_ops"] == {op: SMALL_PRX["depth"]}, rep["torch_ops"]
     assert rep["engines"] == SMALL_PRX["depth"] + 1

@@ -43,7 +43,8 @@ from ... import progress, schema
 from ...errors import ArtifactError, LoRAError, PRXCompileError
 from ...export import export_step, weight_tensors
 from ...lowering import ENGINE_RULES, lower
-from ...ops import warm_up
+from ...ops import choice
+from ...ops.choice import KernelChoice
 from ..base import Backend, BackendState, SetReport
 from . import shim
 from .program import Program, from_graph_module
@@ -107,18 +108,20 @@ class TensorRTBackend(Backend):
         t0 = time.perf_counter()
         cfg, ttrt = self.config, shim.torch_tensorrt()
         times = self.timings = {}
-        # the ops kept in PyTorch get their kernels compiled while the engines build
-        fused = cfg.attention == "fused"
-        lowering = self.plan.lowering(self.shapes)
-        warming = None
-        if fused:
-            warming = warm_up.in_background(self.model, self.spec, example, lowering)
+        # the kernel candidates run and are timed at the set's shape while the step is exported (the
+        # kernels kept in PyTorch are compiled and warm before the first step)
+        choosing = choice.in_background(self.plan, self.model, self.shapes, example)
         settings = self.settings()
 
         def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             """Our rules, then Torch-TensorRT's decompositions: on one block, before it is copied."""
+            with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
+                self.kernels = choosing.result()
+            times["kernels_measure_s"] = choosing.seconds
+            progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
+            logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
             with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-                lower(ep.graph_module, lowering)
+                lower(ep.graph_module, self.plan.lowering(self.shapes, self.kernels))
             with progress.stage("decompose (Torch-TensorRT's table)", times, "decompose_s"):
                 return ep.run_decompositions(shim.decompositions(settings))
 
@@ -132,7 +135,9 @@ class TensorRTBackend(Backend):
                 fuse_attention=cfg.attention == "fused",
                 prepare=prepare,
             )
-        times["export_s"] = time.perf_counter() - t_export - times["lower_s"] - times["decompose_s"]
+        times["export_s"] = (
+            time.perf_counter() - t_export - times["lower_s"] - times["decompose_s"] - times["kernels_s"]
+        )
         # weights as inputs: identical partitions (the blocks) are one engine, built once; distinct
         # ones are converted build_workers at a time
         workers = min(cfg.build_workers, os.cpu_count() or 1)
@@ -176,9 +181,6 @@ class TensorRTBackend(Backend):
                 shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
         if self.arena is not None:
             self.arena.allocate()
-        if warming is not None:
-            warming.join()
-            times["warm_up_s"] = warming.seconds
         self._bind()
         torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0
@@ -237,6 +239,7 @@ class TensorRTBackend(Backend):
             "kind": self.kind,
             "weights": self.config.weights,
             "program": self.program.to_json(),
+            "kernels": self.kernels.to_json(),
             "engines": records,
             "provenance": {k: list(v) for k, v in sorted(self.provenance.items())},
         }
@@ -264,6 +267,7 @@ class TensorRTBackend(Backend):
         if extra:
             raise ValueError(f"unexpected files {sorted(extra)[:3]}")
         backend = cls(model, plan, shapes)
+        backend.kernels = KernelChoice.from_json(meta["kernels"])
         device = _cuda_device(config.device)
         for name in records:
             if f"{name}.engine" not in state.blobs:
@@ -463,6 +467,7 @@ _STATE = schema.Dict(
         "kind": schema.Str(40),
         "weights": schema.Str(20),
         "program": schema.Later("Program.from_json"),
+        "kernels": schema.Later("KernelChoice.from_json"),
         "engines": schema.Map(
             schema.Str(100, pattern=_NAME.pattern, what="an engine name ([A-Za-z0-9_])"),
             shim.ENGINE_RECORD,
