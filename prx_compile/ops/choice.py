@@ -203,7 +203,8 @@ class _Choosing:
         self.choice: KernelChoice | None = None
         self.error: BaseException | None = None
         self.seconds: float | None = None
-        device = next(model.parameters()).device
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -345,7 +346,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _time(fn) -> float:
     """ms per call of ``fn``: a CUDA graph of ``REPEATS`` calls, replayed ``ROUNDS`` times, the least
-    mean (eager calls where the candidate cannot be captured)."""
+    mean (eager calls where the candidate cannot be captured). Run on a side stream (``in_background``
+    gives one): a capture on the default stream fails, and is timed eagerly."""
     stream = torch.cuda.current_stream()
     graph = torch.cuda.CUDAGraph()
     try:

@@ -11,10 +11,10 @@ Two Triton kernels (Hopper FP8 tensor cores through ``tl.dot``), no host sync:
    padded keys -inf, P = exp2(S - max + 8) (x256, so small probabilities stay out of e4m3's
    subnormals; the row sum carries the same factor and cancels it), O += (P8 V8) x V's scale.
 
-The scales are per block of 128 tokens and head, computed on the device from the values themselves,
-so no calibration and no host sync. ``joint_attention_fp8_torch`` is the same block quantisation of
-Q, K and V followed by exact attention (P stays fp32): the named CPU fallback, and the reference
-the GPU tests hold the kernels to.
+The scales are per block of tokens (the tiling's, ``TILES``) and head, computed on the device from
+the values themselves, so no calibration and no host sync. ``joint_attention_fp8_torch`` is the same
+block quantisation of Q, K and V followed by exact attention (P stays fp32): the named CPU fallback,
+and the reference the GPU tests hold the kernels to.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0
-BLOCK_M = 128  # queries per program and per Q scale
-BLOCK_N = 128  # keys per step and per K / V scale
-
-#: the kernels' tilings (BLOCK_M, BLOCK_N, num_warps, num_stages) an engine set chooses among by
-#: measurement (``ops.choice``; ``prx_attention_fp8``'s ``tile`` argument indexes this). 0 is
-#: the tiling tuned at head dimension 64; at 128 its 128x128 fp32 accumulator over 4 warps spills.
+#: the kernels' tilings (BLOCK_M: queries per program and per Q scale, BLOCK_N: keys per step and
+#: per K / V scale, num_warps, num_stages), among which an engine set chooses by measurement
+#: (``ops.choice``; ``prx_attention_fp8``'s ``tile`` argument indexes this). 0 was tuned at head
+#: dimension 64; at 128 the others ran 1.3-1.7x faster (``peers_v18_pixel_h200.json``).
 TILES = ((128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3))
 
 
