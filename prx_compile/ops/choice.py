@@ -18,8 +18,9 @@ its bound wins; ties are not broken by size rules, only by the candidates' order
 fails to run is recorded with the reason and left out.
 
 No CUDA (a CPU build), nothing is measured: the first candidate is taken, and the choice says so.
-The choice is kept with the engine set (``report()``, the artifact, the engine cache): a loaded set
-does not measure again; ``rebuild=True`` does.
+The choice is kept with the engine set (``report()``, the artifact, the engine cache): a loaded
+TensorRT set does not measure again; ``rebuild=True`` does (as does a PyTorch backend's set, which
+exports again after a load).
 """
 
 from __future__ import annotations
