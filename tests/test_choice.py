@@ -62,6 +62,21 @@ def test_the_fastest_candidate_within_its_bound_wins_and_every_timing_is_kept():
     assert slow_fp8.attention == "split" and not plan.lowering(shapes, slow_fp8).fp8_attention
 
 
+def test_candidates_within_the_tie_count_as_equally_fast_and_the_most_exact_runs():
+    """Timings 1 % apart are noise: the bf16 split path (exact) runs rather than an FP8 tiling that
+    measured 1 % faster; 5 % faster is a real lead and wins."""
+    plan, model, shapes, example = setup(precision="fp8", fp8_attention="auto")
+    close = choice.choose(
+        plan, model, shapes, example, timer_of({"attention/fp8/1": 0.99, "attention/split": 1.0})
+    )
+    assert close.attention == "split"
+    ahead = choice.choose(
+        plan, model, shapes, example, timer_of({"attention/fp8/1": 0.95, "attention/split": 1.0})
+    )
+    assert ahead.attention == "fp8/1"
+    assert choice._fastest({}) is None
+
+
 def test_a_wrong_candidate_is_left_out_however_fast(monkeypatch):
     plan, model, shapes, example = setup(precision="fp8", fp8_attention="auto")
     real = library._joint_fp8

@@ -14,8 +14,9 @@ the set's own tuning point (JIT compilation and cuDNN plans happen here, not in 
 is also the step's warm-up), its output is held to an fp32 reference of the same op (relative error:
 ``MAX_ERROR``), then it is timed as a CUDA graph of ``REPEATS`` calls replayed ``ROUNDS`` times (the
 least mean kept: launch overhead and a busy Python thread do not count). The fastest candidate within
-its bound wins; ties are not broken by size rules, only by the candidates' order. A candidate that
-fails to run is recorded with the reason and left out.
+its bound wins; candidates within ``TIE`` of the fastest count as equally fast, and the most exact of
+them runs (no size rule decides). A candidate that fails to run is recorded with the reason and left
+out.
 
 No CUDA (a CPU build), nothing is measured: the first candidate is taken, and the choice says so.
 The choice is kept with the engine set (``report()``, the artifact, the engine cache): a loaded
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 MAX_ERROR = {"bf16": 1e-2, "fp8": 8e-2}
 REPEATS = 5
 ROUNDS = 3
+#: candidates whose times are within this fraction of the fastest's count as equally fast (CUDA graph
+#: replays of one candidate vary by about 1 %): the most exact of them runs
+TIE = 0.02
 #: the attention candidates' names besides our FP8 kernels' ("fp8/<tiling>")
 NAMES = ("flash4", "cudnn", "split", "sdpa")
 
@@ -156,7 +160,7 @@ def choose(
     ):
         if names == ["unfused"]:  # no gate to fuse
             continue
-        best, ref = None, bench.reference(group)
+        ref = bench.reference(group)
         for name in names:
             key = f"{group}/{name}"
             try:
@@ -170,9 +174,9 @@ def choose(
             except Exception as e:  # a kernel that cannot run here is left out, with the reason
                 rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 logger.info("kernel candidate %s left out: %s", key, rejected[key])
-                continue
-            if best is None or ms[key] < ms[f"{group}/{best}"]:
-                best = name
+        best = _fastest(
+            {n: (ms[f"{group}/{n}"], errors[f"{group}/{n}"]) for n in names if f"{group}/{n}" in ms}
+        )
         if best is None:  # not silent: the step runs a candidate that failed here
             logger.warning(
                 "every %s candidate failed its measurement (%s): %s runs unmeasured.",
@@ -189,6 +193,16 @@ def choose(
     return KernelChoice(
         picks[0], gate, "measured" if several else "the only candidates", ms, errors, rejected
     )
+
+
+def _fastest(timed: dict[str, tuple[float, float]]) -> str | None:
+    """The candidate to run of ``timed`` (name -> (ms, relative error)): among those within ``TIE``
+    of the fastest, the most exact (timings closer than that are noise; the most exact one is then
+    the same in every build); None when there is none."""
+    if not timed:
+        return None
+    least = min(t for t, _ in timed.values())
+    return min((n for n, (t, _) in timed.items() if t <= least * (1 + TIE)), key=lambda n: timed[n][1])
 
 
 def in_background(
