@@ -79,7 +79,7 @@ def test_3_the_readme_is_for_users():
     assert len(text.splitlines()) <= 400
     assert not re.search(r"\bissue \d+|\bsessions?\b|device time|Goals? not met", text, re.I)
     assert not re.search(r"^#+ .*\(0\.\d+\)", text, re.M)  # no per-release sections
-    assert (ROOT / "CHANGELOG.md").is_file() and "## 0.17.0" in (ROOT / "CHANGELOG.md").read_text()
+    assert (ROOT / "CHANGELOG.md").is_file() and "## 0.18.0" in (ROOT / "CHANGELOG.md").read_text()
     for page in re.findall(r"`(docs/[\w-]+\.md)`", text):
         assert (ROOT / page).is_file(), page
     for cited in re.findall(r"`(benchmarks/results/[\w.-]+)`", text):
@@ -101,7 +101,7 @@ def test_5_notebooks_run_as_the_readme_says_and_show_this_releases_numbers():
     source = "".join("".join(c["source"]) for c in quickstart["cells"])
     for name in re.findall(r"[\w.-]+_h200\.json", source):
         assert (ROOT / "benchmarks" / "results" / name).is_file(), name
-    assert "peers_v17_bf16_h200.json" in source and "noise" in source
+    assert "peers_v18_prx_h200.json" in source and "noise" in source
 
 
 def test_6_timings_show_their_spread(capsys):
