@@ -115,11 +115,12 @@ class TensorRTBackend(Backend):
 
         def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             """Our rules, then Torch-TensorRT's decompositions: on one block, before it is copied."""
-            with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
-                self.kernels = choosing.result()
-            times["kernels_measure_s"] = choosing.seconds
-            progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
-            logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
+            if "kernels_s" not in times:  # once, though a whole-model export after the blocks' prepares again
+                with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
+                    self.kernels = choosing.result()
+                times["kernels_measure_s"] = choosing.seconds
+                progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
+                logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
             with progress.stage("lower (prx_compile rules)", times, "lower_s"):
                 lower(ep.graph_module, self.plan.lowering(self.shapes, self.kernels))
             with progress.stage("decompose (Torch-TensorRT's table)", times, "decompose_s"):
