@@ -107,6 +107,7 @@ def kernel_categories(names_ms: dict[str, tuple[int, float]]) -> dict[str, float
         ("cuDNN GEMM + epilogue (the MLP gate)", ("cudnn_generated_fort_native_sm90_matmul",)),
         ("cuBLAS GEMM", ("nvjet", "cutlass", "sm90_xmma", "gemm")),
         ("tensorrt (myelin fusions)", ("__myl", "myl")),
+        ("inductor (triton fusions)", ("triton_",)),
     ]
     out: dict[str, float] = {}
     for name, (_, ms) in names_ms.items():
@@ -135,7 +136,7 @@ def kernel_profile(fn, kwargs: dict[str, Any], steps: int = 3) -> dict[str, Any]
         ms = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / steps
         if ms > 0:
             kernels[e.key] = (e.count // steps, ms)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:30]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
     return {
         "ms_per_step_without_graphs": no_graph_ms,
         "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),

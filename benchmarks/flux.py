@@ -70,6 +70,7 @@ def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, i
         rec["report"] = {
             k: r[k] for k in ("engines", "engine_calls", "torch_segments", "torch_ops", "kernels")
         }
+        rec["report"]["timings"] = r["engine_sets"][0].get("timings")
     log(f"{label}: {json.dumps({k: v for k, v in rec.items() if k != 'report'})}")
     return rec
 
@@ -154,7 +155,7 @@ def main() -> None:
     save()
 
     compiled = None
-    if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload", "profile")):
+    if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload")):
         base_gb = memory_gb() if cuda else 0.0
         compiled = compile_transformer(model, config="flux-1024-bf16", **overrides)
         records.append(
@@ -166,10 +167,21 @@ def main() -> None:
         save()
     if "profile" in args.parts and cuda:
         ct = compile_transformer(model, config="flux-1024-bf16", cuda_graphs=False, **overrides)
-        ct(**kw, return_dict=False)
+        first_s = first_call(ct, kw)[1]
         result["profile_bf16"] = kernel_profile(ct, kw)
+        r = ct.report()
+        result["profile_bf16"]["first_call_s"] = round(first_s, 2)
+        keys = ("engines", "engine_calls", "torch_ops", "kernels")
+        result["profile_bf16"]["report"] = {k: r[k] for k in keys}
+        result["profile_bf16"]["report"]["timings"] = r["engine_sets"][0].get("timings")
         log(f"profile bf16: {result['profile_bf16']['by_category']}")
         del ct
+        free()
+        peer = regional(model)
+        first_call(peer, kw)
+        result["profile_regional"] = kernel_profile(peer, kw)
+        log(f"profile regional: {result['profile_regional']['by_category']}")
+        del peer
         free()
         save()
     if "saveload" in args.parts:

@@ -234,3 +234,73 @@ def test_a_recorded_choice_is_validated_before_use(record, message):
     assert KernelChoice.from_json({**good, "attention": "flash4"}).attention == "flash4"  # built elsewhere
     with pytest.raises(ValueError, match=message):
         KernelChoice.from_json({**good, **record})
+
+
+def test_the_gate_is_measured_alone_and_the_attention_in_a_thread_with_a_retry_of_what_raised(monkeypatch):
+    """A TensorRT set measures the MLP gate before its export (its engines depend on it) and the
+    attention in a thread while its engines build; a candidate that raised there is measured once
+    more, alone, after the thread: a transient failure does not leave it out, a real one does."""
+    plan, model, shapes, example = setup()
+    plan = plan.replace(cudnn_frontend=True, attention_candidates=("cudnn", "split"))
+    calls = []
+    m = choice.Measurement(plan, model, shapes, example, timer_of({"gelu_gate/unfused": 1.0}, calls))
+    assert m.gate_to_measure and m.gate() is False and calls == ["gelu_gate/fused", "gelu_gate/unfused"]
+    real, failures = library._padded_kernel, [RuntimeError("KeyError: 'custom'")]
+
+    def flaky(kind, qkv, q_weight, t):  # raises once (beside the build), then runs
+        if failures:
+            raise failures.pop()
+        return real(kind, qkv, q_weight, t)
+
+    monkeypatch.setattr(library, "_padded_kernel", flaky)
+    m.start_attention()
+    got = m.result()
+    assert calls[2:] == ["attention/split", "attention/cudnn"]  # cudnn raised, then ran alone
+    assert (got.attention, got.gelu_gate, got.how) == ("cudnn", False, "measured") and not got.rejected
+    timed = {k for k in calls if "/" in k}
+    assert set(got.seconds) == {*timed, "gelu_gate/reference", "attention/reference"}
+
+    def broken(kind, qkv, q_weight, t):
+        raise RuntimeError("cudnnGraphNotSupportedError")
+
+    monkeypatch.setattr(library, "_padded_kernel", broken)
+    m = choice.Measurement(plan, model, shapes, example, timer_of({"attention/cudnn": 0.1}))
+    m.gate()
+    m.start_attention()
+    got = m.result()
+    assert got.attention == "split" and "cudnnGraphNotSupportedError" in got.rejected["attention/cudnn"]
+    on_cpu = choice.Measurement(plan, model, shapes, example)  # no CUDA, no timer: nothing measured
+    assert not on_cpu.gate_to_measure and on_cpu.gate() is True
+    assert on_cpu.result().how == "not measured (no CUDA)"
+
+
+def test_the_kernel_rules_retarget_the_attention_in_a_built_module_alone():
+    """``lower(kernels=False)`` leaves ``prx_attention`` for the engines' build; ``lower_kernels``
+    then retargets it in every graph of the partitioned module (its PyTorch segments are child
+    graphs) to the measured kernel, and the step computes the same numbers."""
+    from prx_compile.lowering import lower_kernels
+    from prx_compile.ops import PRX_ATTENTION_CUDNN
+
+    from .test_cudnn_attention import op_args
+
+    g = torch.fx.Graph()
+    args = [g.placeholder(f"a{i}") for i in range(7)]
+    g.output(g.call_function(PRX_ATTENTION, (*args, 2, 1e-6, 0.25)))
+    segment = torch.fx.GraphModule(torch.nn.Module(), g)
+    top = torch.fx.Graph()
+    ins = [top.placeholder(f"a{i}") for i in range(7)]
+    top.output(top.call_module("_run_on_gpu_0", tuple(ins)))
+    root = torch.nn.Module()
+    root._run_on_gpu_0 = segment
+    gm = torch.fx.GraphModule(root, top)
+    plan, *_ = setup()
+    plan = plan.replace(attention_candidates=("cudnn", "split"))
+    lower(segment, plan.lowering(None, KernelChoice("cudnn", False, "test")), kernels=False)
+    assert [n.target for n in segment.graph.nodes if n.op == "call_function"] == [PRX_ATTENTION]
+    a = op_args(seq=64, t=16)[:7]
+    before = gm(*a)
+    lower_kernels(gm, plan.lowering(None, KernelChoice("cudnn", False, "test")))
+    assert [n.target for n in gm._run_on_gpu_0.graph.nodes if n.op == "call_function"] == [
+        PRX_ATTENTION_CUDNN
+    ]
+    torch.testing.assert_close(gm(*a), before)  # the CPU runs cuDNN's named fallback: the same op

@@ -116,7 +116,7 @@ def test_one_block_of_each_list_is_traced_and_copied_to_the_full_graph():
                 if n.op == "call_function" and "sym" not in str(n.target)
             )
 
-        assert ops(once)["prx_compile.attention.default"] == 7
+        assert ops(once)["prx_compile.flux_attention.default"] == 7
         assert {k: v for k, v in ops(once).items() if "sym" not in k and k != "<built-in function add>"} == {
             k: v for k, v in ops(full).items() if "sym" not in k and k != "<built-in function add>"
         }
@@ -278,3 +278,70 @@ def test_the_flux_pipeline_runs_the_compiled_transformer_and_makes_eagers_latent
     assert torch.equal(out, ref) and ref.abs().max() > 0.1
     image = pipe(**args, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (16, 16)
+
+
+def test_the_fused_attention_is_diffusers_processor_op_for_op():
+    """``flux_attention`` (norms, text first, RoPE as rotations, attention) in place of diffusers'
+    processor: the same numbers in fp32 (CPU), in double and single blocks; a rotation table that
+    swapped sin's sign or the pair order would be 1e-1 off."""
+    from prx_compile.models.flux import fused_attention_processors
+
+    model = make_flux({**TINY_FLUX, "num_layers": 2, "num_single_layers": 2})
+    kw = example_inputs(model, 2, 16, 1, 8, seed=3)
+    ref = eager(model, kw)
+    with fused_attention_processors(model) as swapped:
+        out = eager(model, kw)
+    assert swapped == 4
+    assert (out - ref).norm() / ref.norm() < 1e-5
+
+
+def test_the_fused_attention_names_a_bad_operand_in_one_line():
+    from prx_compile.ops import flux_attention
+
+    b, n, t, h, d = 1, 4, 2, 2, 8
+    x, tx = torch.randn(b, n, h * d), torch.randn(b, t, h * d)
+    w = torch.ones(d)
+    cos, sin = torch.ones(t + n, d), torch.zeros(t + n, d)
+    out = flux_attention(x, x, x, tx, tx, tx, w, w, w, w, cos, sin, h, 1e-6, d**-0.5, "sdpa")
+    assert out.shape == (b, t + n, h * d)
+    with pytest.raises(ValueError, match="text_key has shape"):
+        flux_attention(x, x, x, tx, x, tx, w, w, w, w, cos, sin, h, 1e-6, d**-0.5, "sdpa")
+    with pytest.raises(ValueError, match="cos and sin"):
+        flux_attention(x, x, x, tx, tx, tx, w, w, w, w, cos[:n], sin[:n], h, 1e-6, d**-0.5, "sdpa")
+    with pytest.raises(ValueError, match="text_q_weight"):
+        flux_attention(x, x, x, tx, tx, tx, w, w, None, w, cos, sin, h, 1e-6, d**-0.5, "sdpa")
+
+
+def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists():
+    """As a TensorRT build exports (``prepare``: our rules, then the decompositions, both of which drop
+    dead code): the last single block's text tokens, which nothing reads after it, keep their place in
+    the block's boundary, so one block of each list is traced and copied (0.18 traced every block:
+    11-13 s of FLUX.1-dev's first call) and the result is the full export's."""
+    from prx_compile.export.repeat import BOUNDARY
+    from prx_compile.lowering import lower
+
+    model = make_flux({**TINY_FLUX, "num_layers": 3, "num_single_layers": 4})
+    kw = flux_inputs(model, batch=2, tokens=16)
+    prepared = []
+
+    def prepare(ep):
+        prepared.append(sum(n.target is BOUNDARY for n in ep.graph.nodes))
+        lower(ep.graph_module, None, kernels=False)
+        return ep.run_decompositions(torch.export.default_decompositions())
+
+    once, names = export_step(model, kw, None, weights="inputs", fuse_attention=True, prepare=prepare)
+    assert prepared == [4]  # one marked block per list, its inputs and its outputs; no full export after
+    full, _ = export_step(
+        model, kw, None, weights="inputs", fuse_attention=True, trace_blocks_once=False, prepare=prepare
+    )
+    from collections import Counter
+
+    def ops(ep):
+        return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+
+    assert ops(once) == ops(full)
+    weights = [weight_tensors(model)[n] for n in names]
+    with torch.no_grad():
+        got = once.module()(**kw, weights=weights)
+        assert torch.equal(got, full.module()(**kw, weights=weights))
+    assert (got - eager(model, kw)).abs().max() <= 1e-5

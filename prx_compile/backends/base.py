@@ -45,10 +45,11 @@ class Backend(abc.ABC):
         self.spec = plan.spec
         self.shapes = shapes
         self.build_s: float | None = None
-        #: where this set's first call went, in seconds: ``export_s``, ``kernels_s`` (waiting for the
-        #: kernels' measurement; TensorRT: ``kernels_measure_s``, the measurement itself, beside the
-        #: export), ``lower_s``, (TensorRT) ``decompose_s`` (Torch-TensorRT's decompositions),
-        #: ``compile_s`` (the backend's compiler),
+        #: where this set's first call went, in seconds: ``export_s``, ``kernels_s`` (the kernels'
+        #: measurement; TensorRT: the MLP gate's, before the export, and ``kernels_wait_s``, waiting
+        #: for the attention's after the engines, beside which it ran; ``kernels_measure_s``, both
+        #: parts' own time), ``lower_s``, (TensorRT) ``decompose_s`` (Torch-TensorRT's
+        #: decompositions), ``compile_s`` (the backend's compiler),
         #: ``first_run_s`` (the first step, JIT kernels included) and, with CUDA graphs,
         #: ``graph_capture_s``; a loaded set has ``load_s`` instead of the build stages.
         self.timings: dict[str, float] = {}

@@ -33,7 +33,7 @@ class TorchBackend(Backend):
                 self.model, example, self.shapes, weights=cfg.weights, fuse_attention=cfg.attention == "fused"
             )
         with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
-            self.kernels = choice.in_background(self.plan, self.model, self.shapes, example).result()
+            self.kernels = choice.choose(self.plan, self.model, self.shapes, example)
         progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
         with progress.stage("lower (prx_compile rules)", times, "lower_s"):
             gm = lower(ep.module(), self.plan.lowering(None, self.kernels))

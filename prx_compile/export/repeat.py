@@ -5,8 +5,10 @@ its first block (of each block list the model's spec names).
 shapes, ~0.2 s and more over symbolic ones (measured on this project's CPU machine), most of it in
 sympy. The blocks of a list are one computation on different weights, so ``repeat_blocks`` exports the
 model with the first block of each list only, its carried tensors (``BlockList.carried``) between
-boundary markers, and copies that block's nodes once per further block, each copy reading its own
-block's weights:
+two boundary markers (one node for its inputs, one for its outputs: an output nothing reads after
+the last block, FLUX's text tokens after its single blocks, still has its place when ``prepare``'s
+rules and decompositions drop dead code), and copies that block's nodes once per further block, each
+copy reading its own block's weights:
 
     export(model with each list cut to [block 0], markers around block 0's carried inputs and outputs)
         -> nodes between the markers = block 0 (its operations, in trace order)
@@ -16,7 +18,9 @@ block's weights:
 The result is the graph a full export gives: the same operations in the same order on the same
 inputs, up to which alias of an input each block reads (a full export chains ``mask.to(bool)`` from
 block to block; the copies read the input). ``tests/test_export_repeat.py`` compares the two node by
-node and their outputs. Where the model is not one this applies to, it says why and returns None, and
+node and their outputs (after ``prepare``, the last copy keeps that unread output's nodes, which a
+prepared full export drops: ``export_step`` drops them too). Where the model is not one this applies
+to, it says why and returns None, and
 the caller exports in full: weights baked into the graph (``weights="engine"``), a list of fewer than
 two blocks, blocks whose parameters differ in names, shapes or dtypes, a block called with positional
 carried tensors, or a block value used after the block.
@@ -28,6 +32,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,15 +48,17 @@ logger = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("prx_compile::block_boundary", mutates_args=())
-def block_boundary(x: torch.Tensor, tag: int) -> torch.Tensor:
-    """Identity (a copy): marks a block's carried input (``tag`` 2i, block list i) or output (2i + 1)
-    in an export; never kept."""
-    return x.clone()
+def block_boundary(xs: list[torch.Tensor], tag: int) -> list[torch.Tensor]:
+    """Identity (copies): marks a block's carried inputs (``tag`` 2i, block list i) or its outputs
+    (2i + 1) in an export, all of them in one node, so that an output the rest of the model never
+    reads (FLUX's last single block's text tokens) keeps its place: a node of its own would be dead
+    code, which lowering and decompositions remove. Never kept."""
+    return [x.clone() for x in xs]
 
 
 @block_boundary.register_fake
-def _(x: torch.Tensor, tag: int) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(xs: list[torch.Tensor], tag: int) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
 
 
 BOUNDARY = torch.ops.prx_compile.block_boundary.default
@@ -73,14 +80,14 @@ class _MarkedBlocks(torch.nn.ModuleList):
 
 def _marked(block: torch.nn.Module, index: int, carried: tuple[str, ...]):
     def call(*args: Any, **kwargs: Any) -> Any:
-        for name in carried:
-            if isinstance(kwargs.get(name), torch.Tensor):
-                kwargs[name] = block_boundary(kwargs[name], 2 * index)
+        names = [name for name in carried if isinstance(kwargs.get(name), torch.Tensor)]
+        if names:
+            kwargs.update(zip(names, block_boundary([kwargs[n] for n in names], 2 * index), strict=True))
         out = block(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            return block_boundary(out, 2 * index + 1)
+            return block_boundary([out], 2 * index + 1)[0]
         if isinstance(out, tuple) and all(isinstance(o, torch.Tensor) for o in out):
-            return tuple(block_boundary(o, 2 * index + 1) for o in out)
+            return tuple(block_boundary(list(out), 2 * index + 1))
         return out
 
     return call
@@ -134,30 +141,36 @@ def repeat_blocks(
     order = {n: i for i, n in enumerate(nodes)}
     lists = []
     for i, bl in enumerate(spec.blocks):
-        starts = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY and n.args[1] == 2 * i]
-        ends = [
-            n for n in nodes if n.op == "call_function" and n.target is BOUNDARY and n.args[1] == 2 * i + 1
-        ]
-        if len(starts) != len(bl.carried) or len(ends) != len(bl.carried):
-            return _no(f"{bl.attr}: {len(starts)} + {len(ends)} block boundaries, not {len(bl.carried)} each")
-        if max(map(order.get, starts)) > min(map(order.get, ends)):
+        markers = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY]
+        marks = [[n for n in markers if n.args[1] == 2 * i + side] for side in (0, 1)]
+        if len(marks[0]) != 1 or len(marks[1]) != 1:
+            return _no(f"{bl.attr}: {len(marks[0])} + {len(marks[1])} block boundaries, not 1 each")
+        (start,), (end,) = marks
+        n_in, n_out = len(start.args[0]), len(end.args[0])
+        if n_in != len(bl.carried) or n_out != len(bl.carried):
+            return _no(f"{bl.attr}: {n_in} tensors into the block and {n_out} out, not {len(bl.carried)}")
+        if order[start] > order[end]:
             return _no(f"{bl.attr}: the block boundaries are out of order")
-        body = nodes[max(map(order.get, starts)) + 1 : max(map(order.get, ends)) + 1]
-        if any(n.target is BOUNDARY and n not in ends for n in body):
+        ins, tail = _items(start, n_in), _items(end, n_out)  # by index, None where nothing reads it
+        if ins is None or tail is None:
+            return _no(f"{bl.attr}: a block boundary's result is used other than item by item")
+        outs = list(end.args[0])  # the block's results, as end takes them
+        body = [n for n in nodes[order[start] + 1 : order[end]] if n not in ins]
+        if any(n.target is BOUNDARY for n in body):
             return _no(f"{bl.attr}: another block's boundary inside the block")
-        inside = set(body)
+        inside = {*body, end}
         for n in body:  # a shape value (SymInt) is the same in every block: later code may reuse it
-            if n not in ends and not _is_shape(n) and any(u not in inside for u in n.users):
+            if not _is_shape(n) and any(u not in inside for u in n.users):
                 return _no(f"block value {n.name} is used after the block")
-        if any(u not in inside for s in starts for u in s.users):
+        if any(u not in inside for g in ins if g is not None for u in g.users):
             return _no(f"{bl.attr}: a block input is used outside the block")
-        lists.append((bl, starts, ends, body, inside))
+        lists.append((bl, start, ins, end, tail, outs, body, inside))
     placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
     by_name = {name: placeholders.get(f"weights_{k}") for k, name in enumerate(small_names)}
     if None in by_name.values():
         return _no("a weight placeholder is missing")
     owns: dict[str, dict[str, torch.fx.Node]] = {}
-    for bl, _, _, _, inside in lists:
+    for bl, *_, inside in lists:
         prefix = f"{bl.attr}.0."
         own = owns[bl.attr] = {n[len(prefix) :]: ph for n, ph in by_name.items() if n.startswith(prefix)}
         for ph in own.values():
@@ -194,28 +207,44 @@ def repeat_blocks(
         ph.replace_all_uses_with(new_ph[name])
         graph.erase_node(ph)
 
-    for bl, starts, ends, body, inside in lists:
+    for bl, start, ins, end, tail, outs, body, _ in lists:
         prefix, own = f"{bl.attr}.0.", owns[bl.attr]
-        tail_users = {e: [u for u in e.users if u not in inside] for e in ends}
-        previous, cursor = list(ends), body[-1]
+        previous, cursor = outs, body[-1] if body else end
         for i in range(1, depth[bl.attr]):
-            env: dict[torch.fx.Node, torch.fx.Node] = dict(zip(starts, previous, strict=True))
+            env = {g: p for g, p in zip(ins, previous, strict=True) if g is not None}
             env.update({new_ph[prefix + k]: new_ph[f"{bl.attr}.{i}.{k}"] for k in own})
             for n in body:
                 with graph.inserting_after(cursor):
                     cursor = graph.node_copy(n, lambda x, env=env: env.get(x, x))
                 env[n] = cursor
-            previous = [env[e] for e in ends]
-        for e, last in zip(ends, previous, strict=True):
-            for user in tail_users[e]:
-                user.replace_input_with(e, last)
-    for n in list(graph.nodes):
-        if n.op == "call_function" and n.target is BOUNDARY:
-            n.replace_all_uses_with(n.args[0])
-            graph.erase_node(n)
+            previous = [env.get(o, o) for o in outs]
+        # the markers go: what read block 0's marked inputs reads the inputs, what read the last
+        # block's results reads the last copy's
+        for item, last in zip(tail, previous, strict=True):
+            if item is not None:
+                item.replace_all_uses_with(last)
+                graph.erase_node(item)
+        graph.erase_node(end)
+        for item, given in zip(ins, start.args[0], strict=True):
+            if item is not None:
+                item.replace_all_uses_with(given)
+                graph.erase_node(item)
+        graph.erase_node(start)
     graph.lint()
     gm.recompile()
     return _program(ep, gm, full_names)
+
+
+def _items(marker: torch.fx.Node, n: int) -> list[torch.fx.Node | None] | None:
+    """The ``getitem`` nodes of a boundary's n results, by index (None for one nothing reads); None
+    where it is used otherwise."""
+    items: list[torch.fx.Node | None] = [None] * n
+    for user in marker.users:
+        k = user.args[1] if user.target is operator.getitem else None
+        if not isinstance(k, int) or not 0 <= k < n or items[k] is not None:
+            return None
+        items[k] = user
+    return items
 
 
 def _is_shape(node: torch.fx.Node) -> bool:

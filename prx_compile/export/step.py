@@ -149,6 +149,9 @@ def export_step(
             full_names = list(weight_tensors(model))
             repeated = repeat.repeat_blocks(ep, small_names, full_names, spec, model)
             if repeated is not None:
+                if prepare is not None:  # as prepare drops dead code: the last copy's unread outputs
+                    repeated.graph.eliminate_dead_code()
+                    repeated.graph_module.recompile()
                 return repeated, full_names
         else:
             logger.debug("export: tracing every block (%s)", reason)

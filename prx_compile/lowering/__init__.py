@@ -14,6 +14,11 @@ Two explicit lists say when they run:
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
   decompositions (which would undo them), registered only while ``backends.tensorrt`` builds.
 
+``KERNEL_RULES`` (fp8_attention, padded_attention, dense_attention), part of ``RULES``, only choose
+which kernel an attention op kept in PyTorch runs: the engines do not depend on them, so a TensorRT
+engine set lowers without them (``lower(..., kernels=False)``) and applies them to its partitioned
+module once its kernels are measured (``lower_kernels``), while its engines build.
+
     >>> ep = torch.export.export(model, (), kwargs)
     >>> gm = prx_compile.lowering.lower(ep.module())                  # form (b): flash attention op
     >>> gm = prx_compile.lowering.lower(ep.module(), LoweringSettings(attention="tensorrt"))
@@ -25,6 +30,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from . import (
@@ -132,25 +138,43 @@ register_rule("linear")(linear.rule)
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.
 ENGINE_RULES: dict[str, Rule] = {"shape_ints": shape_ints.rule}
+#: the rules of ``RULES`` that only pick the kernel of an attention op kept in PyTorch (their op's
+#: variants take the same arguments and return the same result)
+KERNEL_RULES = ("fp8_attention", "padded_attention", "dense_attention")
 
 
-def lower(gm: fx.GraphModule, settings: LoweringSettings | None = None) -> fx.GraphModule:
+def lower(
+    gm: fx.GraphModule, settings: LoweringSettings | None = None, kernels: bool = True
+) -> fx.GraphModule:
     """Apply every rule in ``RULES`` to an ATen-level GraphModule (as ``torch.export`` makes it).
 
     Args:
         gm: ``ExportedProgram.module()`` or ``ExportedProgram.graph_module``; rewritten in place.
         settings: which forms the rules emit (default: ``LoweringSettings()``, flash attention).
+        kernels: also the ``KERNEL_RULES`` (False: the attention ops keep their first form, for
+            ``lower_kernels`` to retarget later).
 
     Returns:
         ``gm``, its graph linted and recompiled.
     """
     settings = settings or LoweringSettings()
-    for rule in RULES.values():
-        gm = rule(gm, settings)
+    for name, rule in RULES.items():
+        if kernels or name not in KERNEL_RULES:
+            gm = rule(gm, settings)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def lower_kernels(gm: torch.nn.Module, settings: LoweringSettings) -> None:
+    """Apply the ``KERNEL_RULES`` to every graph of ``gm`` (a partitioned module: its PyTorch
+    segments), in place: the attention ops kept in PyTorch run the kernels ``settings`` name."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for name in KERNEL_RULES:
+                RULES[name](module, settings)
+            module.recompile()
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -158,4 +182,13 @@ def _is_impure(node: fx.Node) -> bool:
     return node.op in ("placeholder", "output") or node.is_impure()
 
 
-__all__ = ["lower", "RULES", "ENGINE_RULES", "register_rule", "LoweringSettings", "ATTENTION_FORMS"]
+__all__ = [
+    "lower",
+    "lower_kernels",
+    "RULES",
+    "ENGINE_RULES",
+    "KERNEL_RULES",
+    "register_rule",
+    "LoweringSettings",
+    "ATTENTION_FORMS",
+]

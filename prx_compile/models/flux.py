@@ -68,8 +68,13 @@ _SINGLE_LINEARS = r"single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj
 
 
 class FusedFluxAttnProcessor:
-    """diffusers' ``FluxAttnProcessor`` with the attention itself as one ``prx_compile::attention``
-    op (everything else as diffusers computes it, so the exported graph differs in that op alone)."""
+    """diffusers' ``FluxAttnProcessor`` with everything between the projections and ``to_out`` as
+    one ``prx_compile::flux_attention`` op: the q/k norms, the text-first concatenation, RoPE and the
+    attention (the projections stay linears, reading the live weights). ``kernel``: the attention
+    kernel it names ("sdpa"; the lowering rule ``dense_attention`` sets the engine set's choice)."""
+
+    def __init__(self, kernel: str = "sdpa") -> None:
+        self.kernel = kernel
 
     def __call__(
         self,
@@ -81,27 +86,34 @@ class FusedFluxAttnProcessor:
     ):
         """hidden_states (B, L, C); encoder_hidden_states (B, T, C) or None (single blocks);
         image_rotary_emb (cos, sin), each (T + L, D) -> (B, L, C), and (B, T, C) with text."""
-        from diffusers.models.embeddings import apply_rotary_emb
-
         if attention_mask is not None:
             raise ValueError("FusedFluxAttnProcessor takes no attention mask (FLUX passes none).")
-        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-        if attn.added_kv_proj_dim is not None:
-            eq = attn.norm_added_q(attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim)))
-            ek = attn.norm_added_k(attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim)))
-            ev = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))
-            query, key, value = torch.cat([eq, query], 1), torch.cat([ek, key], 1), torch.cat([ev, value], 1)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = torch.ops.prx_compile.attention(query, key, value, 1.0 / math.sqrt(attn.head_dim), "sdpa")
-        out = out.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is None:
+        text = attn.added_kv_proj_dim is not None
+        if text and encoder_hidden_states is None:
+            raise ValueError("this FLUX attention needs encoder_hidden_states (its text tokens).")
+        e = encoder_hidden_states
+        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        out = torch.ops.prx_compile.flux_attention(
+            attn.to_q(hidden_states),
+            attn.to_k(hidden_states),
+            attn.to_v(hidden_states),
+            attn.add_q_proj(e) if text else None,
+            attn.add_k_proj(e) if text else None,
+            attn.add_v_proj(e) if text else None,
+            attn.norm_q.weight,
+            attn.norm_k.weight,
+            attn.norm_added_q.weight if text else None,
+            attn.norm_added_k.weight if text else None,
+            cos,
+            sin,
+            attn.heads,
+            float(attn.norm_q.eps),
+            1.0 / math.sqrt(attn.head_dim),
+            self.kernel,
+        )
+        if e is None:  # as diffusers: single blocks return the whole sequence
             return out
-        t = encoder_hidden_states.shape[1]
+        t = e.shape[1]
         context, out = out[:, :t], out[:, t:]  # slices, not split: TensorRT splits no dynamic axis
         out = attn.to_out[1](attn.to_out[0](out.contiguous()))
         return out, attn.to_add_out(context.contiguous())
@@ -113,6 +125,14 @@ def _fusable(attn: torch.nn.Module) -> str | None:
         return f"its processor is {type(proc).__name__}, not diffusers' FluxAttnProcessor"
     if getattr(attn, "fused_projections", False):
         return "its projections are fused (fuse_qkv_projections)"
+    names = ["norm_q", "norm_k"]
+    if attn.added_kv_proj_dim is not None:
+        names += ["norm_added_q", "norm_added_k"]
+    norms = [getattr(attn, n, None) for n in names]
+    if not all(isinstance(n, torch.nn.RMSNorm) and n.weight is not None and n.eps is not None for n in norms):
+        return "its q/k norms are not torch.nn.RMSNorm with a weight and an epsilon"
+    if len({n.eps for n in norms}) != 1:
+        return "its q/k norms have different epsilons"
     return None
 
 

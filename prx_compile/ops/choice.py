@@ -2,6 +2,7 @@
 
     choice = choose(plan, model, shapes, example)   # the candidates, run and timed at the set's shape
     plan.lowering(shapes, choice)                   # the rules emit what it chose
+    Measurement(plan, model, shapes, example)       # the same in two parts, around a TensorRT build
 
 ``plan`` is a ``prx_compile.plan.Plan`` (not imported here: the plan imports the ops).
 
@@ -26,6 +27,7 @@ exports again after a load).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -66,7 +68,9 @@ _CHOICE = schema.Dict(
         "ms": schema.Map(_NAME, schema.Float(0.0, 1e6), max_len=32),
         "error": schema.Map(_NAME, schema.Float(0.0, 1e6), max_len=32),
         "rejected": schema.Map(_NAME, schema.Str(300), max_len=32),
-    }
+        "seconds": schema.Map(_NAME, schema.Float(0.0, 1e6), max_len=32),
+    },
+    optional=("seconds",),  # 0.18's records have none
 )
 
 
@@ -79,7 +83,9 @@ class KernelChoice:
     how: "measured", "the only candidates" (nothing to choose) or "not measured (no CUDA)".
     ms: candidate -> ms per call at the set's tuning point ("attention/<name>", "gelu_gate/fused",
         "gelu_gate/unfused"). error: candidate -> relative error against fp32. rejected: candidate ->
-        why it was left out (its error, or what it raised).
+        why it was left out (its error, or what it raised). seconds: candidate -> wall seconds its
+        measurement took (its JIT compilation or cuDNN plan, the check and the timing; "<group>/reference":
+        the fp32 reference's).
     """
 
     attention: str
@@ -88,6 +94,7 @@ class KernelChoice:
     ms: dict[str, float] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +104,7 @@ class KernelChoice:
             "ms": {k: round(v, 4) for k, v in self.ms.items()},
             "error": {k: float(f"{v:.3g}") for k, v in self.error.items()},
             "rejected": dict(self.rejected),
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
         }
 
     @classmethod
@@ -112,7 +120,9 @@ class KernelChoice:
         names = {*NAMES, *(f"fp8/{i}" for i in range(len(TILES)))}
         if d["attention"] not in names:
             raise ValueError(f"kernels.attention={d['attention']!r} is not a kernel prx_compile has")
-        return cls(d["attention"], d["gelu_gate"], d["how"], d["ms"], d["error"], d["rejected"])
+        return cls(
+            d["attention"], d["gelu_gate"], d["how"], d["ms"], d["error"], d["rejected"], d.get("seconds", {})
+        )
 
     def describe(self) -> str:
         """One line: what runs, and the timings it was chosen on."""
@@ -143,56 +153,176 @@ def choose(
 ) -> KernelChoice:
     """Run, check and time every candidate at ``example``'s shape (the set's tuning point); the
     fastest within its bound. ``timer(key, run)`` -> ms per call (default: CUDA graphs, ``_time``).
-    Without CUDA and without a timer, the first candidates (nothing measured)."""
-    param = next(model.parameters(), None)
-    if param is None or (param.device.type != "cuda" and timer is None):
-        return unmeasured(plan, shapes, "not measured (no CUDA)")
-    timer = timer or (lambda key, run: _time(run))
-    attention, gates = plan.attention_candidates, plan.gate_candidates(shapes)
-    bench = _Bench(plan, model, example, param.device, param.dtype)
-    ms: dict[str, float] = {}
-    errors: dict[str, float] = {}
-    rejected: dict[str, str] = {}
-    picks = []
-    for group, names in (
-        ("attention", attention),
-        ("gelu_gate", ["fused" if g else "unfused" for g in gates]),
-    ):
-        if names == ["unfused"]:  # no gate to fuse
-            continue
-        ref = bench.reference(group)
+    Without CUDA and without a timer, the first candidates (nothing measured). ``Measurement`` does
+    the same in two parts, around a TensorRT build."""
+    measurement = Measurement(plan, model, shapes, example, timer)
+    measurement.gate()
+    measurement.start_attention(background=False)
+    return measurement.result()
+
+
+class Measurement:
+    """One engine set's measurement, in the two parts a TensorRT build needs apart:
+
+        m = Measurement(plan, model, shapes, example)
+        fused = m.gate()        # the MLP gate's form: the engines' lowering depends on it
+        ... export and decompose (nothing else runs meanwhile) ...
+        m.start_attention()     # in a thread, on a stream of its own, while the engines build
+        choice = m.result()     # joins; the attention only picks which op a kept call runs
+
+    Nothing is measured beside torch.export or a decomposition (they change process-wide dispatch
+    state for a while: 0.19's FLUX builds, measuring beside the export, saw FlashAttention-4 and cuDNN
+    fail there with errors they never raise alone). A candidate that raised while the engines built
+    is measured once more after them, alone, before it is left out. Each part runs on a side
+    stream: a CUDA graph capture on the default stream fails."""
+
+    def __init__(self, plan, model, shapes, example, timer=None):
+        self.plan, self.shapes = plan, shapes
+        self.attention_names = list(plan.attention_candidates)
+        self.gate_names = ["fused" if g else "unfused" for g in plan.gate_candidates(shapes)]
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        self.measured = param is not None and (self.device.type == "cuda" or timer is not None)
+        self.timer = timer or (lambda key, run: _time(run))
+        self.bench = _Bench(plan, model, example, self.device, param.dtype) if self.measured else None
+        self.ms: dict[str, float] = {}
+        self.errors: dict[str, float] = {}
+        self.rejected: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
+        self.raised: set[str] = set()  # candidates rejected for what they raised
+        self.fused_gate: bool | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        #: wall seconds the measurement took (both parts)
+        self.wall_s = 0.0
+
+    @property
+    def gate_to_measure(self) -> bool:
+        """Whether ``gate()`` measures anything (a gate that may be fused, and CUDA or a timer)."""
+        return self.measured and self.gate_names != ["unfused"]
+
+    def gate(self) -> bool:
+        """Measure the MLP gate's forms (where there is a choice); whether it runs fused."""
+        if self.fused_gate is None:
+            pick = self.gate_names[0]
+            if self.gate_to_measure:
+                self._part(lambda: self._group("gelu_gate", self.gate_names))
+                if self.error is None:
+                    pick = self._pick("gelu_gate", self.gate_names)
+            self.fused_gate = pick == "fused"
+        return self.fused_gate
+
+    def start_attention(self, background: bool = True) -> None:
+        """Measure the attention candidates, in a thread (``background``) or here."""
+
+        def run() -> None:
+            if self.measured and self.error is None:
+                self._part(lambda: self._group("attention", self.attention_names))
+
+        if background:
+            self.thread = threading.Thread(target=run, name="prx-kernel-choice", daemon=True)
+            self.thread.start()
+        else:
+            run()
+
+    def join(self) -> bool:
+        """Wait for the attention's thread, if one runs; whether one ran."""
+        if self.thread is None:
+            return False
+        self.thread.join()
+        self.thread = None
+        return True
+
+    def result(self) -> KernelChoice:
+        """The choice (``gate()`` and ``start_attention()`` first); a one-line warning where the
+        measurement itself failed (the first candidates then run)."""
+        if self.join():
+            retry = [k.split("/", 1)[1] for k in sorted(self.raised) if k.startswith("attention/")]
+            if retry and self.error is None:  # alone now: what raised beside the build, once more
+                logger.info("measuring again, alone: %s", retry)
+                self._part(lambda: self._group("attention", retry))
+        gate = self.gate()
+        if not self.measured:
+            first = unmeasured(self.plan, self.shapes, "not measured (no CUDA)")
+            return dataclasses.replace(first, gelu_gate=gate)
+        if self.error is not None:
+            logger.warning("measuring the kernels failed (%s): the first candidates run.", self.error)
+            first = unmeasured(self.plan, self.shapes, f"not measured ({type(self.error).__name__})")
+            return dataclasses.replace(first, gelu_gate=gate)
+        several = len(self.attention_names) > 1 or len(self.gate_names) > 1
+        return KernelChoice(
+            self._pick("attention", self.attention_names),
+            gate,
+            "measured" if several else "the only candidates",
+            self.ms,
+            self.errors,
+            self.rejected,
+            self.seconds,
+        )
+
+    # -- the parts ---------------------------------------------------------------------------------
+    def _part(self, fn: Callable[[], None]) -> None:
+        """``fn()`` on a side stream (CUDA), timed into ``wall_s``; what it raises is kept in
+        ``error`` (reported by ``result()``)."""
+        t0 = time.perf_counter()
+        try:
+            if self.device.type != "cuda":
+                fn()
+                return
+            with torch.cuda.device(self.device), torch.no_grad():
+                stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(stream):
+                    fn()
+                stream.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported by result())
+            self.error = e
+        finally:
+            self.wall_s += time.perf_counter() - t0
+
+    def _group(self, group: str, names: list[str]) -> None:
+        """Check each of ``names`` against the group's fp32 reference and time it (into ``ms``,
+        ``errors``, ``rejected``, ``seconds``: keys "<group>/<name>")."""
+        t0 = time.perf_counter()
+        ref = self.bench.reference(group)
+        key = f"{group}/reference"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
         for name in names:
             key = f"{group}/{name}"
+            self.rejected.pop(key, None)
+            self.raised.discard(key)
+            t0 = time.perf_counter()
             try:
-                fn, bound = bench.candidate(group, name)
+                fn, bound = self.bench.candidate(group, name)
                 err = _rel_err(fn(), ref)
-                errors[key] = err
+                self.errors[key] = err
                 if not math.isfinite(err) or err > bound:
-                    rejected[key] = f"relative error {err:.3g} over its bound {bound:g}"
+                    self.rejected[key] = f"relative error {err:.3g} over its bound {bound:g}"
                     continue
-                ms[key] = timer(key, fn)
+                self.ms[key] = self.timer(key, fn)
             except Exception as e:  # a kernel that cannot run here is left out, with the reason
-                rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
-                logger.info("kernel candidate %s left out: %s", key, rejected[key])
-        best = _fastest(
-            {n: (ms[f"{group}/{n}"], errors[f"{group}/{n}"]) for n in names if f"{group}/{n}" in ms}
-        )
+                self.rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                self.raised.add(key)
+                logger.info("kernel candidate %s left out: %s", key, self.rejected[key])
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+        del ref
+        if group == "attention" and self.device.type == "cuda":
+            self.bench.warm_gemm()
+
+    def _pick(self, group: str, names: list[str]) -> str:
+        """The candidate of ``names`` to run: the fastest within its bound, or the first (warned)."""
+        timed = {n: (self.ms[k], self.errors[k]) for n in names if (k := f"{group}/{n}") in self.ms}
+        best = _fastest(timed)
         if best is None:  # not silent: the step runs a candidate that failed here
             logger.warning(
                 "every %s candidate failed its measurement (%s): %s runs unmeasured.",
                 group,
-                "; ".join(f"{k}: {v}" for k, v in rejected.items() if k.startswith(group)),
+                "; ".join(f"{k}: {v}" for k, v in self.rejected.items() if k.startswith(group)),
                 names[0],
             )
-        picks.append(best if best is not None else names[0])
-        del ref
-    if param.device.type == "cuda":
-        bench.warm_gemm()
-    gate = len(picks) > 1 and picks[1] == "fused"
-    several = len(attention) > 1 or len(gates) > 1
-    return KernelChoice(
-        picks[0], gate, "measured" if several else "the only candidates", ms, errors, rejected
-    )
+        return best if best is not None else names[0]
 
 
 def _fastest(timed: dict[str, tuple[float, float]]) -> str | None:
@@ -203,49 +333,6 @@ def _fastest(timed: dict[str, tuple[float, float]]) -> str | None:
         return None
     least = min(t for t, _ in timed.values())
     return min((n for n, (t, _) in timed.items() if t <= least * (1 + TIE)), key=lambda n: timed[n][1])
-
-
-def in_background(
-    plan: Any, model: torch.nn.Module, shapes: ShapeRange, example: dict[str, torch.Tensor]
-) -> _Choosing:
-    """``choose`` in a thread on a stream of its own (the export runs meanwhile); ``result()`` joins."""
-    return _Choosing(plan, model, shapes, example)
-
-
-class _Choosing:
-    def __init__(self, plan, model, shapes, example):
-        self.plan, self.shapes = plan, shapes
-        self.choice: KernelChoice | None = None
-        self.error: BaseException | None = None
-        self.seconds: float | None = None
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                if device.type != "cuda":
-                    self.choice = choose(plan, model, shapes, example)
-                    return
-                with torch.cuda.device(device), torch.no_grad():
-                    stream = torch.cuda.Stream(device)
-                    with torch.cuda.stream(stream):
-                        self.choice = choose(plan, model, shapes, example)
-                    stream.synchronize()
-            except BaseException as e:  # noqa: BLE001 (reported by result())
-                self.error = e
-            finally:
-                self.seconds = time.perf_counter() - t0
-
-        self.thread = threading.Thread(target=run, name="prx-kernel-choice", daemon=True)
-        self.thread.start()
-
-    def result(self) -> KernelChoice:
-        self.thread.join()
-        if self.choice is None:
-            logger.warning("measuring the kernels failed (%s): the first candidates run.", self.error)
-            return unmeasured(self.plan, self.shapes, f"not measured ({type(self.error).__name__})")
-        return self.choice
 
 
 # -- the candidates, as the step runs them --------------------------------------------------------
@@ -361,8 +448,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _time(fn) -> float:
     """ms per call of ``fn``: a CUDA graph of ``REPEATS`` calls, replayed ``ROUNDS`` times, the least
-    mean (eager calls where the candidate cannot be captured). Run on a side stream (``in_background``
-    gives one): a capture on the default stream fails, and is timed eagerly."""
+    mean (eager calls where the candidate cannot be captured). Run on a side stream (``Measurement``'s
+    parts are): a capture on the default stream fails, and is timed eagerly."""
     stream = torch.cuda.current_stream()
     graph = torch.cuda.CUDAGraph()
     try:

@@ -168,7 +168,7 @@ def _norm_rope_kernel():
         x, sxb, sxl, sxh, w, f, sfb, sfl, out, sob, oof, v, svb, svl, svh, vout, n_rows, L, H, eps,
         m, smb, T, seq, sqs, lq,
         D: tl.constexpr, BR: tl.constexpr, HAS_ROPE: tl.constexpr, COPY_V: tl.constexpr,
-        PACK: tl.constexpr, BT: tl.constexpr,
+        PACK: tl.constexpr, BT: tl.constexpr, ROUND_TWICE: tl.constexpr,
     ):  # fmt: skip
         # A program = BR rows (b, l, h) of D contiguous elements, each row and its rotations read
         # once, contiguously; RoPE pairs (2i, 2i + 1) are split apart and joined back in registers.
@@ -185,9 +185,12 @@ def _norm_rope_kernel():
         xv = tl.load(x + (b * sxb + tok * sxl + h * sxh)[:, None] + e[None, :], mask=rm, other=0.0)
         xf = xv.to(tl.float32)
         rs = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=1) / D + eps)
-        # diffusers' RMSNorm rounds to the (half) weight dtype before the weight product, and after it
-        y = (xf * rs[:, None]).to(xv.dtype).to(tl.float32)
-        y = (y * tl.load(w + e).to(tl.float32)[None, :]).to(xv.dtype).to(tl.float32)
+        wf = tl.load(w + e).to(tl.float32)[None, :]
+        if ROUND_TWICE:  # diffusers' RMSNorm rounds to the (half) weight dtype before the weight product
+            y = (xf * rs[:, None]).to(xv.dtype).to(tl.float32)
+            y = (y * wf).to(xv.dtype).to(tl.float32)
+        else:  # torch.nn.RMSNorm (FLUX) rounds once, after it
+            y = (xf * rs[:, None] * wf).to(xv.dtype).to(tl.float32)
         if HAS_ROPE:
             # f[b, l] is (D/2, 2, 2): out[2i + j] = f[i, j, 0] x[2i] + f[i, j, 1] x[2i + 1]
             ye, yo = tl.split(tl.reshape(y, (BR, D // 2, 2)))
@@ -241,6 +244,7 @@ def qk_norm_rope(
     eps: float,
     rope: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    round_twice: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim of ``x`` (B, L, H, D), then RoPE, in one Triton kernel.
 
@@ -250,6 +254,8 @@ def qk_norm_rope(
         eps: the RMSNorm epsilon.
         rope: None, or (B, L, D/2, 2, 2) fp32 rotations (diffusers' PRX ``freqs_cis``, heads squeezed).
         v: None, or (B, L, H, D) values copied alongside into a contiguous tensor.
+        round_twice: diffusers' ``RMSNorm`` (PRX) rounds to x's dtype before the weight product and
+            after it; False: ``torch.nn.RMSNorm`` (FLUX), after it only.
 
     Returns:
         (normalised x (B, L, H, D) contiguous, contiguous copy of v or None). Arithmetic as
@@ -258,7 +264,7 @@ def qk_norm_rope(
     b, seq, h, d = x.shape
     out = torch.empty((b, seq, h, d), device=x.device, dtype=x.dtype)
     vout = torch.empty_like(out) if v is not None else None
-    _norm_rope_launch(x, weight, eps, rope, v, out, vout, 0)
+    _norm_rope_launch(x, weight, eps, rope, v, out, vout, 0, round_twice=round_twice)
     return out, vout
 
 
@@ -274,11 +280,12 @@ def qk_norm_rope_into(
     mask: torch.Tensor | None = None,
     seq: torch.Tensor | None = None,
     lq: int = 0,
+    round_twice: bool = True,
 ) -> None:
     """``qk_norm_rope`` written into rows ``offset:`` of key/value buffers (one Triton kernel).
 
     Args:
-        x, weight, eps, rope, v: as ``qk_norm_rope``; x, v are (B, L, H, D).
+        x, weight, eps, rope, v, round_twice: as ``qk_norm_rope``; x, v are (B, L, H, D).
         out, vout: (B, S, H, D) contiguous buffers with S >= offset + L (vout None without v).
         offset: the first buffer row that token 0 goes to.
         mask: None, or (B, L) bool: then the kept tokens of each row go first, in order, and the
@@ -298,10 +305,12 @@ def qk_norm_rope_into(
         or seq.stride(1) != 1
     ):
         raise ValueError("qk_norm_rope_into: mask must be (B, L) bool, with seq (2, >= B) int32")
-    _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask, seq, lq)
+    _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask, seq, lq, round_twice)
 
 
-def _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask=None, seq=None, lq=0) -> None:
+def _norm_rope_launch(
+    x, weight, eps, rope, v, out, vout, offset, mask=None, seq=None, lq=0, round_twice=True
+) -> None:
     kernel, triton = _norm_rope_kernel()
     b, seq_len, h, d = x.shape
     if out.dim() != 4 or not out.is_contiguous() or out.shape[0] != b or out.shape[2:] != (h, d):
@@ -350,6 +359,7 @@ def _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask=None, seq
         COPY_V=v is not None,
         PACK=pack,
         BT=triton.next_power_of_2(seq_len) if pack else 1,
+        ROUND_TWICE=round_twice,
         num_warps=4,
     )
 

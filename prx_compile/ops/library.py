@@ -20,6 +20,8 @@
   ``lowering.linear``, in range engine sets: ``CompileConfig.range_linears``).
 * ``torch.ops.prx_compile.attention`` — dense attention in (B, L, H, D) on a named kernel (FLUX's
   attention, ``FusedFluxAttnProcessor``; rule ``lowering.dense_attention`` names the kernel).
+* ``torch.ops.prx_compile.flux_attention`` — FLUX's whole attention core from its projections'
+  outputs: QK RMSNorm, text first, RoPE, dense attention on a named kernel (``FusedFluxAttnProcessor``).
 * ``torch.ops.prx_compile.gelu_gate`` — PRX's MLP gate ``gelu_tanh(x @ Wg.T) * up`` as one cuDNN GEMM
   with the activation in its epilogue (rule ``lowering.gelu_gate``, ``CompileConfig.fuse_mlp_gate``).
 
@@ -252,8 +254,12 @@ def qk_norm_rope_torch(
     if weight.dtype in (torch.float16, torch.bfloat16):
         y = y.to(weight.dtype)
     y = y * weight
-    if rope is None:
-        return y
+    return y if rope is None else _rope_torch(y, rope)
+
+
+def _rope_torch(y: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``y`` (B, L, H, D) rotated by ``rope`` (B or 1, L, D/2, 2, 2) fp32, in fp32, rounded to y's
+    dtype: out[2i + j] = rope[i, j, 0] y[2i] + rope[i, j, 1] y[2i + 1] (the Triton kernel's order)."""
     pairs = y.float().reshape(*y.shape[:-1], -1, 1, 2)
     f = rope[:, :, None].to(pairs.dtype)  # (B, L, 1, D/2, 2, 2): broadcast over heads
     out = f[..., 0] * pairs[..., 0] + f[..., 1] * pairs[..., 1]
@@ -719,6 +725,116 @@ def _(q, k, v, scale, kernel):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def flux_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """FLUX's rotary embedding as rotations: ``cos``, ``sin`` (S, D), each value repeated for its
+    pair as diffusers' ``FluxPosEmbed`` makes them -> (1, S, D/2, 2, 2) fp32 ``f`` with
+    f[i] = [[cos[2i], -sin[2i]], [sin[2i+1], cos[2i+1]]], so that ``_rope_torch`` and the Triton
+    kernel compute diffusers' ``apply_rotary_emb(x, (cos, sin), sequence_dim=1)`` product for product."""
+    s, d = cos.shape
+    c, n = cos.float().reshape(s, d // 2, 2), sin.float().reshape(s, d // 2, 2)
+    even = torch.stack([c[..., 0], -n[..., 0]], -1)
+    odd = torch.stack([n[..., 1], c[..., 1]], -1)
+    return torch.stack([even, odd], -2)[None]
+
+
+@torch.library.custom_op(f"{_LIB}::flux_attention", mutates_args=())
+def flux_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    text_query: torch.Tensor | None,
+    text_key: torch.Tensor | None,
+    text_value: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_q_weight: torch.Tensor | None,
+    text_k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    heads: int,
+    eps: float,
+    scale: float,
+    kernel: str,
+) -> torch.Tensor:
+    """FLUX's attention between its projections, as one op: what ``FluxAttnProcessor`` computes
+    after ``to_q``/``to_k``/``to_v`` (and ``add_*_proj``) and before ``to_out``.
+
+    Queries and keys get ``torch.nn.RMSNorm`` (text ones their own weights), text tokens go first,
+    RoPE rotates the whole sequence, then dense attention runs on ``kernel`` (as ``attention``). On
+    CUDA with fp16/bf16 one Triton pass per operand normalises, rotates and writes it straight into
+    the (B, T + L, H, D) buffer attention reads (TensorRT-RTX ran this chain at a tenth of memory
+    bandwidth: ``flux_profile_v18_h200.json``); elsewhere PyTorch ops do it (a named CPU fallback).
+
+    Args:
+        query, key, value: (B, L, H*D) image tokens (single blocks: every token).
+        text_query, text_key, text_value: (B, T, H*D) text tokens, or all None (single blocks).
+        q_weight, k_weight: (D,) ``norm_q``/``norm_k`` weights; text_q_weight, text_k_weight: (D,)
+            ``norm_added_q``/``norm_added_k``'s, or None without text.
+        cos, sin: (T + L, D) FLUX's ``image_rotary_emb``, or both None.
+        heads: H. eps: the norms' epsilon. scale: softmax scale. kernel: "sdpa", "cudnn", "flash4".
+
+    Returns:
+        (B, T + L, H*D): text tokens first.
+    """
+    _expect(query.dim() == 3 and heads > 0 and query.shape[2] % heads == 0, "query must be (B, L, H*D)")
+    b, seq, width = query.shape
+    d = width // heads
+    text = (text_query, text_key, text_value)
+    _expect(all(x is None for x in text) or all(x is not None for x in text), "text q, k, v: all or none")
+    t = text_query.shape[1] if text_query is not None else 0
+    operands = [("key", key, seq), ("value", value, seq)]
+    if text_query is not None:
+        operands += [("text_query", text_query, t), ("text_key", text_key, t), ("text_value", text_value, t)]
+    for name, x, n in operands:
+        want = (b, n, width)
+        _expect(tuple(x.shape) == want, f"{name} has shape {tuple(x.shape)}, expected {want}")
+    weights = [("q_weight", q_weight), ("k_weight", k_weight)]
+    if text_query is not None:
+        weights += [("text_q_weight", text_q_weight), ("text_k_weight", text_k_weight)]
+    for name, w in weights:
+        _expect(w is not None and tuple(w.shape) == (d,), f"{name} must be ({d},)")
+    rope = None
+    if cos is not None or sin is not None:
+        _expect(
+            cos is not None and sin is not None and tuple(cos.shape) == tuple(sin.shape) == (t + seq, d),
+            f"cos and sin must both be ({t + seq}, {d})",
+        )
+        rope = flux_rope(cos, sin)
+    parts = []  # (q, k, v, q weight, k weight, first row): text first, as FLUX concatenates
+    if text_query is not None:
+        parts.append((text_query, text_key, text_value, text_q_weight, text_k_weight, 0))
+    parts.append((query, key, value, q_weight, k_weight, t))
+    from . import kernels
+
+    def heads_of(x):
+        return x.reshape(b, x.shape[1], heads, d)
+
+    fused = kernels.norm_rope_supported(heads_of(query)) and all(w.dtype == query.dtype for _, w in weights)
+    if fused:  # written where attention reads them: no concatenation
+        q = torch.empty(b, t + seq, heads, d, device=query.device, dtype=query.dtype)
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        for xq, xk, xv, wq, wk, at in parts:
+            r = rope[:, at : at + xq.shape[1]] if rope is not None else None
+            kernels.qk_norm_rope_into(heads_of(xq), wq, eps, r, None, q, None, at, round_twice=False)
+            kernels.qk_norm_rope_into(heads_of(xk), wk, eps, r, heads_of(xv), k, v, at, round_twice=False)
+    else:
+        qs, ks, vs = [], [], []
+        for xq, xk, xv, wq, wk, at in parts:
+            r = rope[:, at : at + xq.shape[1]] if rope is not None else None
+            for out, x, w in ((qs, xq, wq), (ks, xk, wk)):
+                y = F.rms_norm(heads_of(x), (d,), w, eps)
+                out.append(_rope_torch(y, r) if r is not None else y)
+            vs.append(heads_of(xv))
+        q, k, v = (torch.cat(x, 1) for x in (qs, ks, vs))
+    return attention(q, k, v, scale, kernel).reshape(b, t + seq, width)
+
+
+@flux_attention.register_fake
+def _(query, key, value, text_query, text_key, text_value, *rest):
+    t = text_query.shape[1] if text_query is not None else 0
+    return query.new_empty((query.shape[0], t + query.shape[1], query.shape[2]))
+
+
 # -- the registry: every op above, and when TensorRT leaves it to PyTorch ------------------------
 FLASH_ATTENTION = declare(flash_attention, "attention")
 JOINT_ATTENTION = declare(joint_attention, "attention")
@@ -727,6 +843,7 @@ PRX_ATTENTION_CUDNN = declare(prx_attention_cudnn, "attention")
 PRX_ATTENTION_FLASH4 = declare(prx_attention_flash4, "attention")
 PRX_ATTENTION_FP8 = declare(prx_attention_fp8, "attention")
 ATTENTION = declare(attention, "attention")
+FLUX_ATTENTION = declare(flux_attention, "attention")
 FP8_LINEAR = declare(fp8_linear, "fp8")
 FP8_GATED_MLP = declare(fp8_gated_mlp, "fp8")
 LINEAR = declare(linear, "linear")

@@ -49,7 +49,7 @@ def test_the_engines_run_flux_as_eager_does(flux):
     out = ct(**kw, return_dict=False)[0]
     assert rel_err(out, eager(model, kw)) < TOL
     rep = ct.report()
-    assert rep["engines"] >= 1 and rep["torch_ops"].get("prx_compile.attention.default") == 4, rep[
+    assert rep["engines"] >= 1 and rep["torch_ops"].get("prx_compile.flux_attention.default") == 4, rep[
         "torch_ops"
     ]
     kernels = rep["kernels"]  # measured: every candidate timed, the fastest (or a near-tie's most exact) runs
@@ -91,3 +91,20 @@ def test_a_token_range_and_fp8():
     kw = example_inputs(fp8.transformer, 1, 256, 1, 64, dtype=torch.bfloat16, device="cuda")
     ref = eager(make_flux(SMALL_FLUX, dtype=torch.bfloat16, device="cuda"), kw)
     assert rel_err(fp8(**kw, return_dict=False)[0], ref) < 6e-2
+
+
+def test_the_fused_attention_kernels_match_diffusers_processor():
+    """``flux_attention`` on the GPU (the Triton norm/RoPE pass writing the attention's buffers, then
+    each dense kernel) against diffusers' own processor, eager, bf16: a wrong offset, rounding or
+    rotation would be far over the bound."""
+    from prx_compile.models.flux import fused_attention_processors
+    from prx_compile.ops import ATTENTION_KERNELS
+
+    model = make_flux(SMALL_FLUX, dtype=torch.bfloat16, device="cuda")
+    kw = example_inputs(model, 2, 256, 1, 64, dtype=torch.bfloat16, device="cuda", seed=3)
+    ref = eager(model, kw)
+    for kernel in ATTENTION_KERNELS:
+        with fused_attention_processors(model):
+            model.transformer_blocks[0].attn.processor.kernel = kernel  # one processor, shared
+            out = eager(model, kw)
+        assert rel_err(out, ref) < 5e-3, kernel

@@ -33,11 +33,15 @@ def test_the_blocks_run_one_engine_and_match_the_unshared_build(model, shared):
     out = shared(**kw, return_dict=False)[0].clone()
     rep = shared.backends[0].report()
     assert (rep["engines"], rep["engine_calls"], rep["torch_segments"]) == (3, 5, 4), rep
-    unshared = compile_prx(model, share_engines=False, **STATIC)
-    want = unshared(**kw, return_dict=False)[0]
-    assert unshared.backends[0].report()["engines"] == 5
-    assert rel_err(out, want) < 1e-3
     assert rel_err(out, eager(model, kw)) < TOL
+    # sharing changes no number: compared on the same kernels (each build measures its own, and two
+    # measurements may pick two exact kernels that round differently)
+    pinned = dict(attention_kernel="cudnn", fuse_mlp_gate=False, **STATIC)
+    one = compile_prx(model, **pinned)
+    unshared = compile_prx(model, share_engines=False, **pinned)
+    got, want = one(**kw, return_dict=False)[0], unshared(**kw, return_dict=False)[0]
+    assert unshared.backends[0].report()["engines"] == 5 and one.backends[0].report()["engines"] == 3
+    assert rel_err(got, want) < 1e-3
     assert not out.isnan().any()
     timings = shared.backends[0].timings
     assert {"export_s", "lower_s", "compile_s", "engines_build_s", "engines_wall_s"} <= set(timings), timings
@@ -86,7 +90,8 @@ def test_engines_built_side_by_side_and_on_one_arena_match_one_at_a_time_on_thei
     static_linears (more distinct engines); the arena holds the largest context (the range set's
     test below checks that is less than the sum)."""
     kw = inputs(model, seed=11)
-    config = {**STATIC, "static_linears": "torch"}
+    # on pinned kernels: two builds' measurements may pick two kernels that round differently
+    config = {**STATIC, "static_linears": "torch", "attention_kernel": "cudnn", "fuse_mlp_gate": False}
     serial = compile_prx(model, build_workers=1, share_context_memory=False, **config)
     want = serial(**kw, return_dict=False)[0].clone()
     for cuda_graphs in (True, False):

@@ -42,9 +42,9 @@ import torch
 from ... import progress, schema
 from ...errors import ArtifactError, LoRAError, PRXCompileError
 from ...export import export_step, weight_tensors
-from ...lowering import ENGINE_RULES, lower
+from ...lowering import ENGINE_RULES, lower, lower_kernels
 from ...ops import choice
-from ...ops.choice import KernelChoice
+from ...ops.choice import KernelChoice, unmeasured
 from ..base import Backend, BackendState, SetReport
 from . import shim
 from .program import Program, from_graph_module
@@ -108,21 +108,24 @@ class TensorRTBackend(Backend):
         t0 = time.perf_counter()
         cfg, ttrt = self.config, shim.torch_tensorrt()
         times = self.timings = {}
-        # the kernel candidates run and are timed at the set's shape while the step is exported (the
-        # kernels kept in PyTorch are compiled and warm before the first step)
-        choosing = choice.in_background(self.plan, self.model, self.shapes, example)
+        # the kernel candidates run and are timed at the set's shape (the kernels kept in PyTorch are
+        # compiled and warm before the first step): the MLP gate before the export, as the engines'
+        # lowering depends on it; the attention while the engines build, as it only picks which op a
+        # kept call runs (applied to the partitioned module after the build). Nothing is measured
+        # beside the export or a decomposition (``choice.Measurement``).
+        measurement = choice.Measurement(self.plan, self.model, self.shapes, example)
+        gating = measurement.gate_to_measure  # kernels_s: the gate's measurement, where there is one
+        stage = progress.stage("MLP gate measured at the set's shape", times, "kernels_s")
+        with stage if gating else contextlib.nullcontext():
+            gate = measurement.gate()
+        first = unmeasured(self.plan, self.shapes, "the engines' lowering")
+        lowering = self.plan.lowering(self.shapes, dataclasses.replace(first, gelu_gate=gate))
         settings = self.settings()
 
         def prepare(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             """Our rules, then Torch-TensorRT's decompositions: on one block, before it is copied."""
-            if "kernels_s" not in times:  # once, though a whole-model export after the blocks' prepares again
-                with progress.stage("kernels measured at the set's shape", times, "kernels_s"):
-                    self.kernels = choosing.result()
-                times["kernels_measure_s"] = choosing.seconds
-                progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
-                logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
             with progress.stage("lower (prx_compile rules)", times, "lower_s"):
-                lower(ep.graph_module, self.plan.lowering(self.shapes, self.kernels))
+                lower(ep.graph_module, lowering, kernels=False)
             with progress.stage("decompose (Torch-TensorRT's table)", times, "decompose_s"):
                 return ep.run_decompositions(shim.decompositions(settings))
 
@@ -136,9 +139,7 @@ class TensorRTBackend(Backend):
                 fuse_attention=cfg.attention == "fused",
                 prepare=prepare,
             )
-        times["export_s"] = (
-            time.perf_counter() - t_export - times["lower_s"] - times["decompose_s"] - times["kernels_s"]
-        )
+        times["export_s"] = time.perf_counter() - t_export - times["lower_s"] - times["decompose_s"]
         # weights as inputs: identical partitions (the blocks) are one engine, built once; distinct
         # ones are converted build_workers at a time
         workers = min(cfg.build_workers, os.cpu_count() or 1)
@@ -163,9 +164,20 @@ class TensorRTBackend(Backend):
                 kwarg_inputs["weights"] = [
                     ttrt.Input(shape=tuple(params[n].shape), dtype=params[n].dtype) for n in names
                 ]
-            gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
-            if sharing is not None:
-                sharing.finish(gm)  # the engines still converting in threads
+            measurement.start_attention()
+            try:
+                gm = ttrt.dynamo.compile(ep, arg_inputs=(), kwarg_inputs=kwarg_inputs, **settings)
+                if sharing is not None:
+                    sharing.finish(gm)  # the engines still converting in threads
+            except BaseException:
+                measurement.join()  # nothing left measuring after a failed build
+                raise
+        with progress.stage("attention kernels measured at the set's shape", times, "kernels_wait_s"):
+            self.kernels = measurement.result()
+        times["kernels_measure_s"] = measurement.wall_s
+        progress.note(f"kernels for {self.shapes.describe()}: {self.kernels.describe()}")
+        logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
+        lower_kernels(gm, self.plan.lowering(self.shapes, self.kernels))
         self.program, self.engines, self.constants = program_of(
             gm, shim.engine_classes(), names, weight_tensors(self.model), self.spec.inputs(self.model)
         )
