@@ -222,6 +222,9 @@ def _normed(a):
         ({"ms": {"attention/split": math.nan}}, "ms"),
         ({"ms": {f"k{i}": 1.0 for i in range(33)}}, "ms"),
         ({"rejected": {"a": "y" * 301}}, "rejected"),
+        ({"seconds": {"attention/split": math.inf}}, "seconds"),
+        ({"seconds": {f"k{i}": 1.0 for i in range(33)}}, "seconds"),
+        ({"seconds": [1.0]}, "seconds"),
         ({"extra": 1}, "extra"),
     ],
 )
@@ -232,6 +235,8 @@ def test_a_recorded_choice_is_validated_before_use(record, message):
     ).to_json()
     assert KernelChoice.from_json(good).attention == "split"
     assert KernelChoice.from_json({**good, "attention": "flash4"}).attention == "flash4"  # built elsewhere
+    old = {k: v for k, v in good.items() if k != "seconds"}  # 0.18 recorded no seconds
+    assert KernelChoice.from_json(old).seconds == {}
     with pytest.raises(ValueError, match=message):
         KernelChoice.from_json({**good, **record})
 

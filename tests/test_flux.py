@@ -310,6 +310,31 @@ def test_the_fused_attention_names_a_bad_operand_in_one_line():
         flux_attention(x, x, x, tx, tx, tx, w, w, w, w, cos[:n], sin[:n], h, 1e-6, d**-0.5, "sdpa")
     with pytest.raises(ValueError, match="text_q_weight"):
         flux_attention(x, x, x, tx, tx, tx, w, w, None, w, cos, sin, h, 1e-6, d**-0.5, "sdpa")
+    with pytest.raises(ValueError, match="for heads=3"):  # 16 channels are no 3 heads
+        flux_attention(x, x, x, tx, tx, tx, w, w, w, w, cos, sin, 3, 1e-6, d**-0.5, "sdpa")
+    with pytest.raises(ValueError, match="for heads=2"):  # no channel at all: heads would be unbounded
+        e = x[..., :0]
+        flux_attention(e, e, e, None, None, None, w[:0], w[:0], None, None, None, None, 2, 1e-6, 1.0, "sdpa")
+    odd, w3 = torch.randn(b, n, 6), torch.ones(3)  # 2 heads of 3: RoPE needs pairs
+    with pytest.raises(ValueError, match="must be even"):
+        flux_attention(
+            odd,
+            odd,
+            odd,
+            None,
+            None,
+            None,
+            w3,
+            w3,
+            None,
+            None,
+            cos[:n, :3],
+            sin[:n, :3],
+            2,
+            1e-6,
+            1.0,
+            "sdpa",
+        )
 
 
 def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists():

@@ -776,7 +776,10 @@ def flux_attention(
     Returns:
         (B, T + L, H*D): text tokens first.
     """
-    _expect(query.dim() == 3 and heads > 0 and query.shape[2] % heads == 0, "query must be (B, L, H*D)")
+    _expect(
+        query.dim() == 3 and heads > 0 and query.shape[2] > 0 and query.shape[2] % heads == 0,
+        f"query has shape {tuple(query.shape)}: it must be (B, L, H*D) for heads={heads}",
+    )
     b, seq, width = query.shape
     d = width // heads
     text = (text_query, text_key, text_value)
@@ -799,6 +802,7 @@ def flux_attention(
             cos is not None and sin is not None and tuple(cos.shape) == tuple(sin.shape) == (t + seq, d),
             f"cos and sin must both be ({t + seq}, {d})",
         )
+        _expect(d % 2 == 0, f"RoPE rotates pairs: the head dim {d} must be even")
         rope = flux_rope(cos, sin)
     parts = []  # (q, k, v, q weight, k weight, first row): text first, as FLUX concatenates
     if text_query is not None:
