@@ -24,12 +24,12 @@ from .conftest import eager, prx_inputs
 RANGE = ShapeRange(batch=(1, 4), height=(8, 32), width=(8, 32), text=(4, 16))
 
 
-def partitioned(weights, settings=None, op=PRX_ATTENTION):
+def partitioned(weights, settings=None, op=PRX_ATTENTION, kernels=True):
     """(model, split GraphModule, the 'engine' children, weight names): attention ops (``op``) between
-    pieces."""
+    pieces (``kernels``: lowered with the kernel rules, else as a TensorRT set before its build)."""
     model = make_prx()
     ep, names = export_step(model, prx_inputs(model), RANGE, weights=weights, fuse_attention=True)
-    lower(ep.graph_module, settings or LoweringSettings())
+    lower(ep.graph_module, settings or LoweringSettings(), kernels=kernels)
     gm = ep.module()
     part = {"i": 0}
 
@@ -102,6 +102,24 @@ def test_a_program_with_the_one_call_attention_round_trips(kind):
     op = {"cudnn": PRX_ATTENTION_CUDNN, "flash4": PRX_ATTENTION_FLASH4}[kind]
     ops = round_trip_against_eager(LoweringSettings(padded_attention=kind), op)
     assert ops == {f"prx_compile.prx_attention_{kind}.default": make_prx().config.depth}
+
+
+@pytest.mark.parametrize("kind", ["cudnn", "flash4"])
+def test_the_kernel_chosen_after_the_partition_reaches_the_program(kind):
+    """A TensorRT set partitions with the attention in its first form and applies the kernel rules
+    to the partitioned module once the kernels are measured (``lower_kernels``): the Program calls
+    the chosen op in every block and computes eager's numbers (its CPU path)."""
+    from prx_compile.lowering import lower_kernels
+
+    settings = LoweringSettings(padded_attention=kind)
+    model, sp, engines, names = partitioned("inputs", settings, PRX_ATTENTION, kernels=False)
+    lower_kernels(sp, settings)
+    prog, consts = from_graph_module(
+        sp, engines=set(engines), weight_names=names, params=dict(model.named_parameters()), inputs=INPUTS
+    )
+    assert prog.torch_ops() == {f"prx_compile.prx_attention_{kind}.default": model.config.depth}
+    kw = prx_inputs(model, batch=2, masked=3)
+    assert (run(prog, model, engines, consts, kw) - eager(model, kw)).abs().max() <= 1e-5
 
 
 def round_trip_against_eager(settings, op):
