@@ -140,8 +140,8 @@ def repeat_blocks(
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     lists = []
+    markers = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY]
     for i, bl in enumerate(spec.blocks):
-        markers = [n for n in nodes if n.op == "call_function" and n.target is BOUNDARY]
         marks = [[n for n in markers if n.args[1] == 2 * i + side] for side in (0, 1)]
         if len(marks[0]) != 1 or len(marks[1]) != 1:
             return _no(f"{bl.attr}: {len(marks[0])} + {len(marks[1])} block boundaries, not 1 each")

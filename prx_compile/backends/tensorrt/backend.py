@@ -114,10 +114,10 @@ class TensorRTBackend(Backend):
         # kept call runs (applied to the partitioned module after the build). Nothing is measured
         # beside the export or a decomposition (``choice.Measurement``).
         measurement = choice.Measurement(self.plan, self.model, self.shapes, example)
-        gating = measurement.gate_to_measure  # kernels_s: the gate's measurement, where there is one
-        stage = progress.stage("MLP gate measured at the set's shape", times, "kernels_s")
-        with stage if gating else contextlib.nullcontext():
-            gate = measurement.gate()
+        if measurement.gate_to_measure:  # kernels_s: the gate's measurement, where there is one
+            with progress.stage("MLP gate measured at the set's shape", times, "kernels_s"):
+                measurement.gate()
+        gate = measurement.gate()
         first = unmeasured(self.plan, self.shapes, "the engines' lowering")
         lowering = self.plan.lowering(self.shapes, dataclasses.replace(first, gelu_gate=gate))
         settings = self.settings()
