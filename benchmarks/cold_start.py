@@ -6,7 +6,7 @@ Builds (once, in this process) an artifact of the 1.17 B PRX with random weights
 static`` (one engine set, 1024² batch 2), then starts new Python processes that each time, from the
 moment the parent starts them: the interpreter, ``import torch``, ``import prx_compile``,
 ``load_compiled`` (reading and verifying 2.3 GB, the model class and weights, the engine sets' state;
-Torch-TensorRT and the kernel packages imported in a thread meanwhile), the engines' deserialisation
+TensorRT's bindings and the kernel packages imported in a thread meanwhile), the engines' deserialisation
 (``build()``) and the first step's output (CUDA graph capture included). The OS file cache is warm
 after the first child (each variant runs ``--runs`` times; the report keeps all).
 
@@ -47,7 +47,8 @@ if mode == "parts":  # each import the load needs, on its own, before it (no ove
         return thread
     saving._import_ahead = _started
     t = time.time(); from diffusers import PRXTransformer2DModel; parts["diffusers_s"] = time.time() - t
-    t = time.time(); import torch_tensorrt; parts["torch_tensorrt_s"] = time.time() - t
+    from prx_compile.backends.tensorrt import engine
+    t = time.time(); engine.bindings(); parts["tensorrt_bindings_s"] = time.time() - t
     t = time.time(); import cudnn; parts["cudnn_frontend_s"] = time.time() - t
     if extras != "cudnn":
         t = time.time(); import flash_attn.cute; parts["flash_attn_4_s"] = time.time() - t
@@ -75,7 +76,7 @@ if prof is not None:
     ]
 ref = torch.load(sys.argv[1] + ".ref.pt").cuda().float()
 T["rel_err"] = float((out.float() - ref).norm() / ref.norm())
-names = ("diffusers", "torch_tensorrt", "cudnn", "flash_attn.cute")
+names = ("diffusers", "torch_tensorrt", "tensorrt_rtx", "tensorrt", "cudnn", "flash_attn.cute")
 T["modules"] = sorted(m for m in names if m in sys.modules)
 T["parts"] = parts
 T["set_timings"] = {k: round(v, 3) for k, v in ct.backends[0].timings.items()}

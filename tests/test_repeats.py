@@ -156,13 +156,17 @@ class StandIn(torch.nn.Module):
         super().__init__()
         self.scale, self.serialized_engine = scale, blob
         self.input_names, self.output_names = ["x", "w"], ["y"]
+        self.record = {"inputs": self.input_names, "outputs": self.output_names, "weight_name_map": {}}
+
+    def runtime_cache_bytes(self):
+        return None
 
     def forward(self, x, w):
         return x * w * self.scale
 
 
 def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatch):
-    from prx_compile.backends.tensorrt import shim
+    from prx_compile.backends.tensorrt import engine
     from prx_compile.backends.tensorrt.backend import TensorRTBackend, program_of
     from prx_compile.backends.tensorrt.program import Program
     from prx_compile.config import CompileConfig
@@ -194,7 +198,7 @@ def test_an_engine_set_as_several_partitions_is_called_and_saved_once(monkeypatc
     ]
     torch.testing.assert_close(program.run({"hidden_states": hs}, params, engines, constants), want)
 
-    monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
+    monkeypatch.setattr(engine, "bindings", lambda: None)
     model = torch.nn.Module()
     plan = plan_of(CompileConfig())
     backend = TensorRTBackend(model, plan, ShapeRange.static(1, 8, 8, 4))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from prx_compile import schema as s
-from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt import engine
 from prx_compile.backends.tensorrt.backend import _check_provenance
 from prx_compile.errors import ArtifactError, LoRAError
 
@@ -69,7 +69,7 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
         "requires_output_allocator": False,
         "outputs_unowned": True,
     }
-    assert shim.check_engine_record(good) is good
+    assert engine.check_engine_record(good) is good
     for path, bad in [
         ("engine record.inputs[0]", {**good, "inputs": ["$(rm -rf)"]}),
         (
@@ -80,7 +80,7 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
         ("engine record", {**good, "extra": 0}),
     ]:
         with pytest.raises(s.SchemaError) as e:
-            shim.check_engine_record(bad)
+            engine.check_engine_record(bad)
         assert e.value.path == path
     assert _check_provenance({"c": ["p", "t"]}, {"p"}) == {"c": ("p", "t")}
     for bad in ({"c": ["p", "x"]}, {"c": ["q", "id"]}, {"c": "p"}, [["c", "p"]]):

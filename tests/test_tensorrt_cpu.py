@@ -7,7 +7,7 @@ import torch
 
 from prx_compile import BackendUnavailableError
 from prx_compile.backends.tensorrt import backend as trt_backend
-from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt import engine, shim
 from prx_compile.backends.tensorrt.backend import TensorRTBackend, _check_provenance, _match_constant
 from prx_compile.config import CompileConfig
 from prx_compile.ops import LINEAR, PRX_ATTENTION
@@ -123,29 +123,29 @@ class _EngineModule(torch.nn.Module):
 
 
 def test_one_arena_holds_the_largest_context_and_every_context_runs_on_it():
-    arena = shim.DeviceArena(torch.device("cpu"))
+    arena = engine.DeviceArena(torch.device("cpu"))
     modules = [_EngineModule(s) for s in (300, 1000, 40)]
     for m in modules:
-        arena.attach(m)
+        arena.attach(m, m.context)
     assert arena.nbytes == 0 and all(m.context.memory is None for m in modules)  # nothing taken yet
     arena.allocate()
     assert arena.nbytes == 1000  # the largest, not the sum (1340)
     assert {m.context.memory for m in modules} == {(arena.block.data_ptr(), 1000)}
     late = _EngineModule(5000)  # attached later: a larger block, and every context points at it
-    arena.attach(late)
+    arena.attach(late, late.context)
     arena.allocate()
     assert arena.nbytes == 5000
     assert {m.context.memory for m in [*modules, late]} == {(arena.block.data_ptr(), 5000)}
 
 
 def test_share_context_memory_gives_a_set_one_arena_or_none(monkeypatch):
-    monkeypatch.setattr(shim, "torch_tensorrt", lambda: None)
+    monkeypatch.setattr(engine, "bindings", lambda: None)
     shapes = ShapeRange.static(1, 8, 8, 4)
     on = TensorRTBackend(torch.nn.Module(), plan_of(CompileConfig(device="cuda:0")), shapes)._new_arena()
     off = TensorRTBackend(
         torch.nn.Module(), plan_of(CompileConfig(share_context_memory=False)), shapes
     )._new_arena()
-    assert isinstance(on, shim.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
+    assert isinstance(on, engine.DeviceArena) and on.device == torch.device("cuda", 0) and off is None
 
 
 def test_building_swaps_torch_tensorrts_hooks_for_the_block_only(monkeypatch):
@@ -228,10 +228,10 @@ def test_a_program_decomposed_already_is_not_decomposed_again_in_the_block():
 
 
 def test_contexts_that_need_no_memory_get_a_one_byte_block_and_report_none():
-    arena = shim.DeviceArena(torch.device("cpu"))
+    arena = engine.DeviceArena(torch.device("cpu"))
     modules = [_EngineModule(0), _EngineModule(0)]
     for m in modules:
-        arena.attach(m)
+        arena.attach(m, m.context)
     arena.allocate()
     assert arena.nbytes == 0 and arena.block.numel() == 1  # TensorRT still gets an address to use
     assert {m.context.memory for m in modules} == {(arena.block.data_ptr(), 1)}
@@ -270,3 +270,28 @@ def test_a_torch_tensorrt_outside_the_checked_line_is_refused_in_one_line_before
         compile_prx(model, backend="tensorrt")
     assert not exported and next(model.parameters()).device.type == "cpu"
     shim.torch_tensorrt.cache_clear()
+
+
+def test_engines_need_only_tensorrts_bindings_and_say_in_one_line_when_they_cannot_run(monkeypatch):
+    engine.bindings.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailableError) as e:
+        engine.bindings()
+    assert "CUDA GPU" in str(e.value) and "\n" not in str(e.value).strip()
+    engine.bindings.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, but no TensorRT installed here
+    with pytest.raises(BackendUnavailableError, match="TensorRT's Python bindings cannot be imported"):
+        engine.bindings()
+    engine.bindings.cache_clear()
+
+
+def test_engine_weight_dtypes_are_read_from_their_names_only():
+    import numpy as np
+
+    assert engine.torch_dtype_of("torch.bfloat16") is torch.bfloat16
+    assert engine.torch_dtype_of(torch.float16) is torch.float16
+    assert engine.torch_dtype_of(np.dtype("float32")) is torch.float32
+    assert engine.torch_dtype_of("<class 'numpy.int32'>") is torch.int32
+    for bad in ("torch.complex64", "os.system", "__import__('os')", ""):
+        with pytest.raises(ValueError, match="not a dtype"):
+            engine.torch_dtype_of(bad)

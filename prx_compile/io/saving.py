@@ -202,7 +202,7 @@ def load_compiled(
 
 def _import_ahead(manifest: dict[str, Any]) -> threading.Thread:
     """Start importing, in a thread, what this artifact's load and first call will import: the
-    model's diffusers class, Torch-TensorRT (engines) and the kernel packages its attention may run
+    model's diffusers class, TensorRT's bindings (engines) and the kernel packages its attention may run
     (cuDNN's frontend, FlashAttention-4: seconds each). The files are verified meanwhile; the load
     joins the thread before it imports anything itself (diffusers' lazy modules raise AttributeError
     when two threads import one class at once). A failure here only means the load imports it
@@ -216,9 +216,9 @@ def _import_ahead(manifest: dict[str, Any]) -> threading.Thread:
         try:
             spec_of_class(model.get("class")).model_class()
             if config.get("backend") == "tensorrt" and torch.cuda.is_available():
-                from ..backends.tensorrt import shim
+                from ..backends.tensorrt import engine
 
-                shim.torch_tensorrt()
+                engine.bindings()  # TensorRT's bindings: the engines run without Torch-TensorRT
                 kernel = config.get("attention_kernel")
                 if kernel in ("auto", "cudnn"):
                     cudnn_attention.frontend()

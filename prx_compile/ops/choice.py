@@ -14,7 +14,10 @@ in its epilogue, or not. A user's explicit choice is the only candidate. Each ca
 the set's own tuning point (JIT compilation and cuDNN plans happen here, not in the first step: this
 is also the step's warm-up), its output is held to an fp32 reference of the same op (relative error:
 ``MAX_ERROR``), then it is timed as a CUDA graph of ``REPEATS`` calls replayed ``ROUNDS`` times (the
-least mean kept: launch overhead and a busy Python thread do not count). The fastest candidate within
+least mean kept: launch overhead and a busy Python thread do not count). Beside a TensorRT build the
+candidates only run and are checked; they are timed after the build, alone on the GPU (timed beside
+it, FlashAttention-4 measured 0.88 ms instead of 0.48 at 832x1216 and lost to cuDNN:
+``benchmarks/results/peers_v20_prx_bf16_h200.json``). The fastest candidate within
 its bound wins; candidates within ``TIE`` of the fastest count as equally fast, and the most exact of
 them runs (no size rule decides). A candidate that fails to run is recorded with the reason and left
 out.
@@ -167,8 +170,10 @@ class Measurement:
         m = Measurement(plan, model, shapes, example)
         fused = m.gate()        # the MLP gate's form: the engines' lowering depends on it
         ... export and decompose (nothing else runs meanwhile) ...
-        m.start_attention()     # in a thread, on a stream of its own, while the engines build
-        choice = m.result()     # joins; the attention only picks which op a kept call runs
+        m.start_attention()     # in a thread, on a stream of its own, while the engines build:
+                                # each candidate compiled, run and checked
+        choice = m.result()     # joins, then times the attention candidates alone; the attention
+                                # only picks which op a kept call runs
 
     Nothing is measured beside torch.export or a decomposition (they change process-wide dispatch
     state for a while: 0.19's FLUX builds, measuring beside the export, saw FlashAttention-4 and cuDNN
@@ -190,6 +195,7 @@ class Measurement:
         self.rejected: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
         self.raised: set[str] = set()  # candidates rejected for what they raised
+        self.untimed: dict[str, Callable[[], Any]] = {}  # checked beside a build, timed in result()
         self.fused_gate: bool | None = None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -217,7 +223,7 @@ class Measurement:
 
         def run() -> None:
             if self.measured and self.error is None:
-                self._part(lambda: self._group("attention", self.attention_names))
+                self._part(lambda: self._group("attention", self.attention_names, timed=not background))
 
         if background:
             self.thread = threading.Thread(target=run, name="prx-kernel-choice", daemon=True)
@@ -241,6 +247,8 @@ class Measurement:
             if retry and self.error is None:  # alone now: what raised beside the build, once more
                 logger.info("measuring again, alone: %s", retry)
                 self._part(lambda: self._group("attention", retry))
+            if self.untimed and self.error is None:  # the GPU to themselves now: timed
+                self._part(self._time_untimed)
         gate = self.gate()
         if not self.measured:
             first = unmeasured(self.plan, self.shapes, "not measured (no CUDA)")
@@ -279,9 +287,10 @@ class Measurement:
         finally:
             self.wall_s += time.perf_counter() - t0
 
-    def _group(self, group: str, names: list[str]) -> None:
+    def _group(self, group: str, names: list[str], timed: bool = True) -> None:
         """Check each of ``names`` against the group's fp32 reference and time it (into ``ms``,
-        ``errors``, ``rejected``, ``seconds``: keys "<group>/<name>")."""
+        ``errors``, ``rejected``, ``seconds``: keys "<group>/<name>"); with ``timed=False`` the ones
+        within their bound wait in ``untimed`` (``_time_untimed``)."""
         t0 = time.perf_counter()
         ref = self.bench.reference(group)
         key = f"{group}/reference"
@@ -298,7 +307,10 @@ class Measurement:
                 if not math.isfinite(err) or err > bound:
                     self.rejected[key] = f"relative error {err:.3g} over its bound {bound:g}"
                     continue
-                self.ms[key] = self.timer(key, fn)
+                if timed:
+                    self.ms[key] = self.timer(key, fn)
+                else:
+                    self.untimed[key] = fn
             except Exception as e:  # a kernel that cannot run here is left out, with the reason
                 self.rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 self.raised.add(key)
@@ -310,6 +322,22 @@ class Measurement:
         del ref
         if group == "attention" and self.device.type == "cuda":
             self.bench.warm_gemm()
+
+    def _time_untimed(self) -> None:
+        """Time the candidates checked beside a build (``_group(timed=False)``)."""
+        while self.untimed:
+            key, fn = next(iter(self.untimed.items()))
+            del self.untimed[key]
+            t0 = time.perf_counter()
+            try:
+                self.ms[key] = self.timer(key, fn)
+            except Exception as e:  # ran in its check, then failed when timed: left out, with the reason
+                self.rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                logger.info("kernel candidate %s left out: %s", key, self.rejected[key])
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
     def _pick(self, group: str, names: list[str]) -> str:
         """The candidate of ``names`` to run: the fastest within its bound, or the first (warned)."""

@@ -1,5 +1,7 @@
 """LoRA (in place with weights: inputs, refit with weights: engine) and save/load, on the GPU."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -100,10 +102,46 @@ def test_a_loaded_artifact_deserialises_each_engine_set_at_its_first_call(tmp_pa
     assert torch.equal(loaded(**kw_static, return_dict=False)[0], want[0])
     assert [b.is_loaded for b in loaded.backends] == [True, False]
     live = next(iter(loaded.backends[0].engines.values()))
-    assert live.context is not None and getattr(live, "_prx_runtime", None) is not None  # one context
+    assert live.context is not None and live.runtime_cache_bytes() is not None  # one context, its cache
     save_compiled(loaded, tmp_path / "b")  # a set never run is saved from the bytes it was read from
     again = load_compiled(tmp_path / "b").build()
     assert all(b.is_loaded for b in again.backends)
     for kw, w in zip((kw_static, kw_range), want, strict=True):
         assert torch.equal(again(**kw, return_dict=False)[0], w)
     assert again.builds == 0 and loaded.builds == 0
+
+
+LOAD_IN_A_NEW_PROCESS = """
+import sys, torch
+import prx_compile
+ct = prx_compile.load_compiled(sys.argv[1])
+kw = torch.load(sys.argv[2])
+out = ct(**kw, return_dict=False)[0]
+torch.save(out.cpu(), sys.argv[3])
+print("torch_tensorrt imported:", "torch_tensorrt" in sys.modules)
+"""
+
+
+def test_a_new_process_runs_a_loaded_artifact_without_importing_torch_tensorrt(tmp_path):
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    ct = compile_prx(model, static=True, specialize=[[512, 512, 2]], **RANGE).build()
+    kw = inputs(model)
+    want = ct(**kw, return_dict=False)[0].cpu()
+    save_compiled(ct, tmp_path / "art")
+    torch.save(kw, tmp_path / "kw.pt")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD_IN_A_NEW_PROCESS,
+            str(tmp_path / "art"),
+            str(tmp_path / "kw.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "torch_tensorrt imported: False" in run.stdout
+    assert torch.equal(torch.load(tmp_path / "out.pt"), want)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from prx_compile import compile_prx, load_compiled, load_lora, save_compiled, unload_lora
-from prx_compile.backends.tensorrt import shim
+from prx_compile.backends.tensorrt import engine
 from prx_compile.lora import make_random_lora
 from prx_compile.tools.bench import rel_err
 from prx_compile.tools.testing import make_prx
@@ -80,7 +80,7 @@ def test_a_range_set_shares_its_block_pieces(model):
     rep = rng.report()
     # each middle block reuses at least two of the first block's pieces (PRX: 9 distinct at any depth)
     assert rep["engine_calls"] - rep["engines"] >= 2 * (DEEP["depth"] - 2), rep
-    sizes = [shim.context_memory_bytes(m) for m in rng.engines.values()]
+    sizes = [engine.context_memory_bytes(m) for m in rng.engines.values()]
     assert rng.arena.nbytes == max(sizes) < sum(sizes), sizes  # one arena: the largest, not the sum
 
 
@@ -100,7 +100,7 @@ def test_engines_built_side_by_side_and_on_one_arena_match_one_at_a_time_on_thei
             assert torch.equal(ct(**kw, return_dict=False)[0], want)
         rep, backend = ct.backends[0].report(), ct.backends[0]
         assert rep["engines"] == serial.backends[0].report()["engines"] > 3, rep
-        sizes = [shim.context_memory_bytes(m) for m in backend.engines.values()]
+        sizes = [engine.context_memory_bytes(m) for m in backend.engines.values()]
         assert backend.arena.nbytes == max(sizes), (rep, sizes)  # static pieces may need none
         assert all(m.context is not None for m in backend.engines.values())
     assert serial.backends[0].report()["arena_mb"] == 0.0

@@ -46,7 +46,7 @@ from ...lowering import ENGINE_RULES, lower, lower_kernels
 from ...ops import choice
 from ...ops.choice import KernelChoice, unmeasured
 from ..base import Backend, BackendState, SetReport
-from . import shim
+from . import engine, shim
 from .program import Program, from_graph_module
 from .repeats import SharedEngines
 
@@ -60,9 +60,9 @@ class TensorRTBackend(Backend):
 
     def __init__(self, model, config, shapes):
         super().__init__(model, config, shapes)
-        shim.torch_tensorrt()  # BackendUnavailableError with an install hint
+        engine.bindings()  # BackendUnavailableError with an install hint (build() needs Torch-TensorRT too)
         self.program: Program | None = None
-        self.engines: dict[str, torch.nn.Module] = {}
+        self.engines: dict[str, engine.Engine] = {}
         self.constants: dict[str, torch.Tensor] = {}
         #: graph constant name -> (parameter FQN, "id" | "t"), weights="engine" only
         self.provenance: dict[str, tuple[str, str]] = {}
@@ -71,7 +71,7 @@ class TensorRTBackend(Backend):
         self._pending: _Pending | None = None  # engines read from an artifact, not deserialised yet
         self._load_lock = threading.Lock()
         #: the execution contexts' device memory, one block for the set (``share_context_memory``)
-        self.arena: shim.DeviceArena | None = None
+        self.arena: engine.DeviceArena | None = None
         #: built partition -> [conversion seconds, ops, the 6 commonest], slowest first (``share_engines``)
         self.engine_build_s: dict[str, list] = {}
 
@@ -146,8 +146,8 @@ class TensorRTBackend(Backend):
         sharing = SharedEngines(workers) if cfg.weights == "inputs" and cfg.share_engines else None
         self.arena = self._new_arena()
 
-        def converter(convert):  # each engine built with one execution context, shared where it can be
-            convert = shim.one_context(convert, self.arena)
+        def converter(convert):  # each engine built as an engine.Engine, shared where it can be
+            convert = shim.as_engines(convert, self.arena)
             return sharing.wrap(convert) if sharing is not None else convert
 
         with (
@@ -179,7 +179,7 @@ class TensorRTBackend(Backend):
         logger.info("kernels for %s: %s", self.shapes.describe(), self.kernels.describe())
         lower_kernels(gm, self.plan.lowering(self.shapes, self.kernels))
         self.program, self.engines, self.constants = program_of(
-            gm, shim.engine_classes(), names, weight_tensors(self.model), self.spec.inputs(self.model)
+            gm, (engine.Engine,), names, weight_tensors(self.model), self.spec.inputs(self.model)
         )
         if sharing is not None:
             times["engines_build_s"] = sum(sharing.seconds.values())
@@ -189,9 +189,6 @@ class TensorRTBackend(Backend):
                 n: [round(s, 3), sum(sharing.ops[n].values()), dict(sharing.ops[n].most_common(6))]
                 for n, s in sorted(sharing.seconds.items(), key=lambda kv: -kv[1])
             }
-        for module in self.engines.values():
-            if getattr(module, "_prx_runtime", None) is None:  # not made by one_context
-                shim.use_runtime_cache(module, None, self.arena)  # a context with a runtime cache to save
         if self.arena is not None:
             self.arena.allocate()
         self._bind()
@@ -229,7 +226,7 @@ class TensorRTBackend(Backend):
             engine_calls=sum(st.op == "engine" for st in self.program.steps),
             torch_segments=self.program.segments,
             torch_ops=self.program.torch_ops(),
-            context_mb=sum(shim.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
+            context_mb=sum(engine.context_memory_bytes(m) for m in self.engines.values()) / 2**20,
             arena_mb=self.arena.nbytes / 2**20 if self.arena is not None else 0.0,
             engine_mb=sum(sizes) / 2**20,
         )
@@ -242,10 +239,10 @@ class TensorRTBackend(Backend):
         pending = self._pending  # read from an artifact and not run yet: the bytes as they were read
         blobs = dict(pending.blobs) if pending else {}
         records = dict(pending.records) if pending else {}
-        records.update({n: shim.engine_record(m) for n, m in self.engines.items()})
+        records.update({n: m.record for n, m in self.engines.items()})
         for name, module in self.engines.items():
-            blobs[f"{name}.engine"] = shim.engine_bytes(module, self.needs_refit)
-            cache = shim.runtime_cache_bytes(module)
+            blobs[f"{name}.engine"] = engine.engine_bytes(module, self.needs_refit)
+            cache = module.runtime_cache_bytes()
             if cache:
                 blobs[f"{name}.rtcache"] = cache
         meta = {
@@ -320,7 +317,7 @@ class TensorRTBackend(Backend):
         def load(name: str) -> torch.nn.Module:
             with torch.cuda.device(pending.device):  # the current device is per thread
                 try:
-                    return shim.engine_module(
+                    return engine.Engine(
                         pending.blobs[f"{name}.engine"],
                         pending.records[name],
                         name,
@@ -351,11 +348,11 @@ class TensorRTBackend(Backend):
             self.shapes.describe(),
         )
 
-    def _new_arena(self) -> shim.DeviceArena | None:
+    def _new_arena(self) -> engine.DeviceArena | None:
         """One block of context memory for this set's engines (None: each context keeps its own)."""
         if not self.config.share_context_memory:
             return None
-        return shim.DeviceArena(_cuda_device(self.config.device))
+        return engine.DeviceArena(_cuda_device(self.config.device))
 
     # -- refit (weights="engine") ---------------------------------------------------------------
     @property
@@ -393,14 +390,14 @@ class TensorRTBackend(Backend):
         covered: set[str] = set()
         for module in self.engines.values():
             updates = {}
-            for ew, (key, wdtype) in shim.weight_name_map(module).items():
+            for ew, (key, wdtype) in module.weight_name_map.items():
                 src = self.provenance.get(key)
                 if src is None or src[0] not in changed:
                     continue
                 fqn, transform = src
                 w = params[fqn].detach()
                 w = w.t() if transform == "t" else w
-                updates[ew] = w.to("cuda", shim.torch_dtype_of(wdtype)).contiguous().reshape(-1)
+                updates[ew] = w.to("cuda", engine.torch_dtype_of(wdtype)).contiguous().reshape(-1)
                 covered.add(fqn)
             if updates:
                 plans.append((module, updates))
@@ -411,7 +408,7 @@ class TensorRTBackend(Backend):
                 "compile with weights='inputs' (the default): engines then read the parameters directly.",
             )
         for module, updates in progress.items(plans, "refit engines"):
-            shim.refit_weights(module, updates)
+            engine.refit_weights(module, updates)
         self.refits += 1
         return {
             "refit_s": time.perf_counter() - t0,
@@ -483,7 +480,7 @@ _STATE = schema.Dict(
         "kernels": schema.Later("KernelChoice.from_json"),
         "engines": schema.Map(
             schema.Str(100, pattern=_NAME.pattern, what="an engine name ([A-Za-z0-9_])"),
-            shim.ENGINE_RECORD,
+            engine.ENGINE_RECORD,
             max_len=10_000,
         ),
         "provenance": schema.Map(schema.Str(299), _PROVENANCE_ENTRY, max_len=100_000),
