@@ -295,3 +295,18 @@ def test_engine_weight_dtypes_are_read_from_their_names_only():
     for bad in ("torch.complex64", "os.system", "__import__('os')", ""):
         with pytest.raises(ValueError, match="not a dtype"):
             engine.torch_dtype_of(bad)
+
+
+def test_an_engine_with_data_dependent_output_shapes_is_refused_in_one_line_before_tensorrt_is_asked():
+    record = {
+        "inputs": ["x"],
+        "outputs": ["y"],
+        "weight_name_map": {},
+        "requires_output_allocator": True,
+        "outputs_unowned": False,
+    }
+    with pytest.raises(ValueError, match="data-dependent output shapes.*torch_executed_ops") as e:
+        engine.Engine(b"not an engine", record, "e0", torch.device("cpu"))  # no GPU, no TensorRT here
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="engine record"):
+        engine.Engine(b"", {**record, "inputs": ["$(x)"]}, "e0", torch.device("cpu"))

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ... import progress, schema
-from ...errors import ArtifactError, LoRAError, PRXCompileError
+from ...errors import ArtifactError, LoRAError, PRXCompileError, one_line
 from ...export import export_step, weight_tensors
 from ...lowering import ENGINE_RULES, lower, lower_kernels
 from ...ops import choice
@@ -328,7 +328,7 @@ class TensorRTBackend(Backend):
                 except Exception as e:  # TensorRT's own errors on bytes it cannot read
                     raise ArtifactError(
                         f"TensorRT cannot load engine {name!r} of the set {self.shapes.describe()}: "
-                        f"{type(e).__name__}: {e}",
+                        f"{type(e).__name__}: {one_line(e)}",
                         "load the artifact with rebuild=True (another GPU or TensorRT version).",
                     ) from e
 

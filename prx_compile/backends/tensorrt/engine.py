@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import re
 import threading
 from typing import Any
@@ -26,7 +27,9 @@ from typing import Any
 import torch
 
 from ... import schema
-from ...errors import BackendUnavailableError
+from ...errors import BackendUnavailableError, one_line
+
+logger = logging.getLogger(__name__)
 
 #: the Torch-TensorRT distribution -> the TensorRT bindings its engines are built with
 _BINDINGS = {"torch-tensorrt-rtx": "tensorrt_rtx", "torch-tensorrt": "tensorrt"}
@@ -58,9 +61,9 @@ def bindings() -> Any:
         try:
             return importlib.import_module(name)
         except Exception as e:  # ImportError, or OSError when TensorRT's libraries are missing
-            errors.append(f"{name}: {type(e).__name__}: {e}")
+            errors.append(f"{name}: {type(e).__name__}: {one_line(e, 140)}")
     raise BackendUnavailableError(
-        f"TensorRT's Python bindings cannot be imported here ({'; '.join(errors)[:300]}).", INSTALL_HINT
+        f"TensorRT's Python bindings cannot be imported here ({'; '.join(errors)}).", INSTALL_HINT
     )
 
 
@@ -77,7 +80,7 @@ def versions() -> dict[str, str]:
 
 
 # -- dtypes ----------------------------------------------------------------------------------------
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32", "int64", "bool")
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool", "float8_e4m3fn")
 _TRT_TO_TORCH = {  # TensorRT DataType member -> torch dtype (members a version lacks are skipped)
     "FLOAT": torch.float32,
     "HALF": torch.float16,
@@ -171,8 +174,11 @@ class Engine(torch.nn.Module):
     ) -> None:
         super().__init__()
         record = check_engine_record(record)
-        if record["requires_output_allocator"]:
-            raise ValueError(f"engine {name!r} has data-dependent output shapes: prx_compile does not run it")
+        if record["requires_output_allocator"]:  # nonzero, boolean masks: prx_compile's steps have none
+            raise ValueError(
+                f"engine {name!r} has data-dependent output shapes, which prx_compile's runtime does not "
+                "run: keep the op that makes them in PyTorch (torch_executed_ops)"
+            )
         t = bindings()
         self.name, self.device, self.record = name, device, record
         self.serialized_engine = bytes(serialized)
@@ -188,11 +194,15 @@ class Engine(torch.nn.Module):
                 self.input_names + self.output_names
             ):
                 raise ValueError(f"engine {name!r} has other inputs and outputs than its record names")
+            self.shape_inputs = {n for n in self.input_names if self.engine.is_shape_inference_io(n)}
+            shape_outputs = [n for n in self.output_names if self.engine.is_shape_inference_io(n)]
+            if shape_outputs:  # forward binds every output on the GPU
+                raise ValueError(f"engine {name!r}: output {shape_outputs[0]!r} is a shape on the host")
             self._runtime: tuple[Any, Any] | None = None  # (runtime config, runtime cache), TensorRT-RTX
             self.context = self._new_context(runtime_cache, arena)
         self.input_dtypes = [_torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.input_names]
         self.output_dtypes = [_torch_dtype(self.engine.get_tensor_dtype(n)) for n in self.output_names]
-        self.shape_inputs = {n for n in self.input_names if self.engine.is_shape_inference_io(n)}
+        self.refitted = False  # refit since the build: serialized_engine holds the old weights
         self._placeholder: dict[torch.dtype, torch.Tensor] = {}  # the address bound for empty tensors
         self._side: torch.cuda.Stream | None = None
 
@@ -202,8 +212,8 @@ class Engine(torch.nn.Module):
         if hasattr(self.engine, "create_runtime_config"):  # TensorRT-RTX: a runtime cache
             cfg = self.engine.create_runtime_config()
             cache = cfg.create_runtime_cache()
-            if runtime_cache:
-                cache.deserialize(runtime_cache)
+            if runtime_cache and cache.deserialize(runtime_cache) is False:  # its kernels JIT-compile again
+                logger.warning("engine %r: TensorRT-RTX refused its saved runtime cache", self.name)
             cfg.set_runtime_cache(cache)
             if arena is not None:
                 cfg.set_execution_context_allocation_strategy(
@@ -228,6 +238,10 @@ class Engine(torch.nn.Module):
         data = self._runtime[1].serialize()
         return bytes(memoryview(data)) if data is not None else None
 
+    def setup_engine(self) -> None:
+        """What Torch-TensorRT's ``compile_module`` calls with ``lazy_engine_init``. Nothing to do: an
+        Engine deserialises its engine and makes its context when it is made."""
+
     def set_output_tensors_as_unowned(self, enabled: bool) -> None:
         """What Torch-TensorRT's ``compile_module`` calls on the engines whose outputs leave the
         graph. Nothing to do: every call returns new output tensors."""
@@ -242,16 +256,20 @@ class Engine(torch.nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         if len(inputs) != len(self.input_names):
             raise ValueError(f"engine {self.name!r} takes {len(self.input_names)} inputs, got {len(inputs)}")
+        with torch.cuda.device(self.device):  # the calling thread may have another GPU selected
+            return self._run(inputs)
+
+    def _run(self, inputs: tuple) -> torch.Tensor | list[torch.Tensor]:
         ctx, held = self.context, []  # held: what TensorRT reads, alive until the launch is queued
         for name, x, dtype in zip(self.input_names, inputs, self.input_dtypes, strict=True):
             if name in self.shape_inputs:  # shape tensors are read on the host
-                host = torch.as_tensor(x).detach().to("cpu", torch.int64).contiguous().numpy()
+                host = torch.as_tensor(x).detach().to("cpu", dtype).contiguous().numpy()  # its own dtype
                 held.append(host)
                 ctx.set_tensor_address(name, host.ctypes.data)
                 continue
             if not isinstance(x, torch.Tensor):  # a Python number, as Torch-TensorRT's runtime takes it
                 x = torch.tensor(x, device=self.device)
-            if x.dtype != dtype or x.device.type != "cuda":
+            if x.dtype != dtype or x.device != self.device:
                 got = f"{x.dtype} on {x.device}"
                 raise ValueError(f"engine {self.name!r}: input {name!r} must be a CUDA {dtype}, not {got}")
             x = x.contiguous()
@@ -282,8 +300,10 @@ class Engine(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def __deepcopy__(self, memo: dict) -> Engine:
-        """A new engine from the same bytes and runtime cache, with a context of its own."""
-        return Engine(self.serialized_engine, self.record, self.name, self.device, self.runtime_cache_bytes())
+        """A new engine from the same bytes (with the refit weights, after a refit) and runtime cache,
+        with a context of its own."""
+        data = engine_bytes(self, True) if self.refitted else self.serialized_engine
+        return Engine(data, self.record, self.name, self.device, self.runtime_cache_bytes())
 
     def __getstate__(self) -> dict:
         raise TypeError(f"engine {self.name!r} is not picklable: save the compiled module with save_compiled")
@@ -321,6 +341,7 @@ def refit_weights(engine: Engine, weights: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"TensorRT needs these weights refit together: {missing[:5]} ...")
     if not refitter.refit_cuda_engine():
         raise RuntimeError("TensorRT refit_cuda_engine() failed")
+    engine.refitted = True
     torch.cuda.synchronize()
 
 

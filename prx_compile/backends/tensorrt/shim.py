@@ -274,7 +274,10 @@ def as_engines(convert: Any, arena: engine.DeviceArena | None = None) -> Any:
             settings = dataclasses.replace(settings, lazy_engine_init=True)
         built = convert(module, inputs, *args, settings=settings, **kwargs)
         name = str(kwargs.get("name", getattr(built, "name", "engine")))
-        device = torch.device("cuda", torch.cuda.current_device())
+        gpu = getattr(getattr(settings, "device", None), "gpu_id", None)  # the build's device
+        if not isinstance(gpu, int) or gpu < 0:
+            gpu = torch.cuda.current_device()
+        device = torch.device("cuda", gpu)
         return engine.Engine(bytes(built.serialized_engine), engine_record(built), name, device, None, arena)
 
     return run
