@@ -21,6 +21,7 @@ import functools
 import importlib
 import logging
 import re
+import sys
 import threading
 from typing import Any
 
@@ -67,8 +68,18 @@ def bindings() -> Any:
     )
 
 
-@functools.lru_cache(maxsize=1)
 def _logger() -> Any:
+    """The logger TensorRT is given: Torch-TensorRT's where this process has imported it (a process
+    that builds; TensorRT keeps the first logger it was given, and warns once per runtime made with
+    another), else one of ours at WARNING."""
+    built = sys.modules.get("torch_tensorrt.logging")
+    if getattr(built, "TRT_LOGGER", None) is not None:
+        return built.TRT_LOGGER
+    return _own_logger()
+
+
+@functools.lru_cache(maxsize=1)
+def _own_logger() -> Any:
     t = bindings()
     return t.Logger(t.Logger.WARNING)
 
