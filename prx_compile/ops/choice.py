@@ -288,9 +288,9 @@ class Measurement:
             self.wall_s += time.perf_counter() - t0
 
     def _group(self, group: str, names: list[str], timed: bool = True) -> None:
-        """Check each of ``names`` against the group's fp32 reference and time it (into ``ms``,
-        ``errors``, ``rejected``, ``seconds``: keys "<group>/<name>"); with ``timed=False`` the ones
-        within their bound wait in ``untimed`` (``_time_untimed``)."""
+        """Check each of ``names`` against the group's fp32 reference, then time the ones within their
+        bound (into ``ms``, ``errors``, ``rejected``, ``seconds``: keys "<group>/<name>"); with
+        ``timed=False`` they wait in ``untimed`` for ``_time_untimed``."""
         t0 = time.perf_counter()
         ref = self.bench.reference(group)
         key = f"{group}/reference"
@@ -307,10 +307,7 @@ class Measurement:
                 if not math.isfinite(err) or err > bound:
                     self.rejected[key] = f"relative error {err:.3g} over its bound {bound:g}"
                     continue
-                if timed:
-                    self.ms[key] = self.timer(key, fn)
-                else:
-                    self.untimed[key] = fn
+                self.untimed[key] = fn
             except Exception as e:  # a kernel that cannot run here is left out, with the reason
                 self.rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 self.raised.add(key)
@@ -320,18 +317,21 @@ class Measurement:
                     torch.cuda.current_stream().synchronize()
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
         del ref
+        if timed:
+            self._time_untimed([f"{group}/{name}" for name in names])
         if group == "attention" and self.device.type == "cuda":
             self.bench.warm_gemm()
 
-    def _time_untimed(self) -> None:
-        """Time the candidates checked beside a build (``_group(timed=False)``)."""
-        while self.untimed:
-            key, fn = next(iter(self.untimed.items()))
-            del self.untimed[key]
+    def _time_untimed(self, keys: list[str] | None = None) -> None:
+        """Time the candidates ``_group`` checked and left in ``untimed`` (those of ``keys``; None:
+        all)."""
+        for key in [k for k in (self.untimed if keys is None else keys) if k in self.untimed]:
+            fn = self.untimed.pop(key)
             t0 = time.perf_counter()
             try:
                 self.ms[key] = self.timer(key, fn)
             except Exception as e:  # ran in its check, then failed when timed: left out, with the reason
+                self.raised.add(key)
                 self.rejected[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 logger.info("kernel candidate %s left out: %s", key, self.rejected[key])
             finally:
