@@ -10,6 +10,10 @@ TensorRT's bindings and the kernel packages imported in a thread meanwhile), the
 (``build()``) and the first step's output (CUDA graph capture included). The OS file cache is warm
 after the first child (each variant runs ``--runs`` times; the report keeps all).
 
+``--floor N``: N new processes that import only torch and diffusers' PRX classes (the model, then
+the pipeline), nothing of ours: what any process that makes a diffusers module pays before it can
+step; and ``python -X importtime`` of that and of ``import prx_compile`` (the slowest modules).
+
 Modes: ``ahead`` (the default load, the figure a server sees), ``parts`` (each import timed on its
 own before the load, no overlap), ``profile`` (cProfile of the load and the first step: the functions
 with the most cumulative time). Extras: ``cudnn`` (an artifact built with ``attention_kernel:
@@ -83,6 +87,60 @@ T["set_timings"] = {k: round(v, 3) for k, v in ct.backends[0].timings.items()}
 T["load_s"] = round(ct.load_s, 3)
 print("RESULT " + json.dumps(T))
 """
+
+
+FLOOR = r"""
+import json, sys, time
+T = {"start": time.time()}
+import torch
+T["torch"] = time.time()
+from diffusers import PRXTransformer2DModel
+T["diffusers_model_class"] = time.time()
+from diffusers import PRXPipeline
+T["diffusers_pipeline_class"] = time.time()
+print("RESULT " + json.dumps(T))
+"""
+
+
+def floor(runs: int) -> dict:
+    """The imports a process that makes a diffusers PRX module cannot skip, and where they go."""
+    out: dict = {"runs": [], "importtime": {}}
+    env = cudnn_only_env()
+    for _ in range(runs):
+        t0 = time.time()
+        r = subprocess.run(
+            [sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=300, env=env
+        )
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            out["runs"].append({"error": r.stderr[-2000:]})
+            continue
+        t = json.loads(line[7:])
+        order = ["start", "torch", "diffusers_model_class", "diffusers_pipeline_class"]
+        row = {"interpreter_s": round(t["start"] - t0, 3)}
+        row.update({f"{b}_s": round(t[b] - t[a], 3) for a, b in zip(order, order[1:], strict=False)})
+        row["process_start_to_model_class_s"] = round(t["diffusers_model_class"] - t0, 3)
+        out["runs"].append(row)
+        log(f"floor: {row}")
+    for name, code in (
+        ("diffusers_model_class", "import torch; from diffusers import PRXTransformer2DModel"),
+        ("prx_compile", "import torch; import prx_compile; from prx_compile.io import saving"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        rows = []
+        for ln in r.stderr.splitlines():  # "import time: self | cumulative | name"
+            parts = ln.split("|")
+            if ln.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+                rows.append((int(parts[1]), parts[2].rstrip()))
+        rows.sort(reverse=True)
+        out["importtime"][name] = [[n, round(us / 1e6, 3)] for us, n in rows[:30]]
+    return out
 
 
 def log(msg: str) -> None:
@@ -160,8 +218,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--modes", nargs="+", default=["ahead", "parts", "profile"])
+    ap.add_argument("--modes", nargs="*", default=["ahead", "parts", "profile"])
     ap.add_argument("--artifact", default="/tmp/prx_cold")
+    ap.add_argument(
+        "--floor", type=int, default=0, help="also N processes importing torch and diffusers only"
+    )
     ap.add_argument(
         "--compileall",
         nargs="*",
@@ -186,8 +247,11 @@ def main() -> None:
         "builds": {},
         "runs": [],
     }
-    variants = {"cudnn": {"attention_kernel": "cudnn"}}
-    if flash4_attention.installed():
+    if args.floor:
+        result["floor"] = floor(args.floor)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    variants = {"cudnn": {"attention_kernel": "cudnn"}} if args.modes else {}
+    if args.modes and flash4_attention.installed():
         variants["flash4"] = {}
     for extras, overrides in variants.items():
         path = Path(f"{args.artifact}_{extras}.art")

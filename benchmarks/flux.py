@@ -18,10 +18,13 @@ same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
   pipeline  a 28-step FluxPipeline (random tiny text encoders, no VAE decode) with the eager, the
             compiled and the regional transformer: seconds per image, the final latents' error
   saveload  save_compiled of the bf16 module, then load_compiled + the first step in a new process
+  profile   one step's kernels by category (CUDA graphs off): ours in bf16 and the regional peer
+            (unless only ``fp8`` is asked for), ours in fp8 with ``fp8``, the torchao peer with ``torchao``
 
 Each path: first call (seconds, cold: builds and compiles included), ms/step back to back (as a
-pipeline runs its steps) and synchronised per call, device memory added, relative L2 error against
-eager bf16, NaN.
+pipeline runs its steps) and synchronised per call, device memory added (counted once the path's
+own copy of the model exists: what the method adds over eager's weights), relative L2 error against
+eager bf16, NaN. ``profile`` with ``fp8`` and ``torchao`` also profiles the torchao peer.
 """
 
 from __future__ import annotations
@@ -75,19 +78,24 @@ def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, i
     return rec
 
 
-def regional(model):
-    """diffusers' regional compilation of a copy: each repeated block compiled, full graph."""
+def model_copy(model):
+    """(a copy of ``model``, the device memory in use with it): what a record adds is counted from
+    there, so a peer's or our copy of the 24 GB of weights is not counted as the method's memory."""
     m = copy.deepcopy(model)
+    return m, (memory_gb() if torch.cuda.is_available() else 0.0)
+
+
+def regional(m):
+    """diffusers' regional compilation of ``m`` (a copy): each repeated block compiled, full graph."""
     m.compile_repeated_blocks(fullgraph=True)
     return m
 
 
-def regional_torchao(model):
-    """torchao float8 on a copy's block linears (the ones ``precision: fp8`` quantises), then
-    regional compilation: the strongest FP8 peer a well-informed user runs."""
+def regional_torchao(m):
+    """torchao float8 on the block linears of ``m`` (a copy; the ones ``precision: fp8`` quantises),
+    then regional compilation: the strongest FP8 peer a well-informed user runs."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    m = copy.deepcopy(model)
     quantize_(
         m,
         Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
@@ -165,7 +173,7 @@ def main() -> None:
     if "lora" in args.parts:
         result["lora"] = lora_switch(compiled, model, kw)
         save()
-    if "profile" in args.parts and cuda:
+    if "profile" in args.parts and cuda and ("bf16" in args.parts or "fp8" not in args.parts):
         ct = compile_transformer(model, config="flux-1024-bf16", cuda_graphs=False, **overrides)
         first_s = first_call(ct, kw)[1]
         result["profile_bf16"] = kernel_profile(ct, kw)
@@ -177,7 +185,7 @@ def main() -> None:
         log(f"profile bf16: {result['profile_bf16']['by_category']}")
         del ct
         free()
-        peer = regional(model)
+        peer = regional(model_copy(model)[0])
         first_call(peer, kw)
         result["profile_regional"] = kernel_profile(peer, kw)
         log(f"profile regional: {result['profile_regional']['by_category']}")
@@ -196,8 +204,8 @@ def main() -> None:
     if "bf16" in args.parts and cuda:
         compiled = None
         free()
-        base_gb = memory_gb()
-        peer = regional(model)
+        m, base_gb = model_copy(model)
+        peer = regional(m)
         records.append(record("compile_repeated_blocks", peer, kw, ref_out, base_gb, args.iters))
         save()
         if "pipeline" in args.parts:
@@ -212,8 +220,8 @@ def main() -> None:
     if "fp8" in args.parts:
         compiled = None
         free()
-        base_gb = memory_gb() if cuda else 0.0
-        ours = compile_transformer(copy.deepcopy(model), config="flux-1024-fp8", **overrides)
+        m, base_gb = model_copy(model)
+        ours = compile_transformer(m, config="flux-1024-fp8", **overrides)
         records.append(record("compile_transformer[flux-1024-fp8]", ours, kw, ref_out, base_gb, args.iters))
         save()
         if "profile" in args.parts and cuda:
@@ -224,15 +232,18 @@ def main() -> None:
             result["profile_fp8"] = kernel_profile(ct, kw)
             log(f"profile fp8: {result['profile_fp8']['by_category']}")
             del ct
-        del ours
+        del ours, m
         free()
         if cuda and "torchao" in args.parts:
-            base_gb = memory_gb()
-            peer = regional_torchao(model)
+            m, base_gb = model_copy(model)
+            peer = regional_torchao(m)
             records.append(
                 record("compile_repeated_blocks+torchao float8", peer, kw, ref_out, base_gb, args.iters)
             )
-            del peer
+            if "profile" in args.parts:
+                result["profile_torchao"] = kernel_profile(peer, kw)
+                log(f"profile torchao: {result['profile_torchao']['by_category']}")
+            del peer, m
             free()
     save()
     log("done")

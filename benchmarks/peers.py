@@ -21,7 +21,8 @@ ms/step and the error against bf16 eager. Parts (each path appended in this orde
          ``fp8_attention: true`` and with ``false``
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
-         the compile_prx variants of the parts asked for -> OUT.json's ``profiles``
+         the compile_prx variants of the parts asked for (``profile`` alone: eager's rows only, and
+         both presets profiled) -> OUT.json's ``profiles``
   pipeline (``--model pixel``) a 28-step ``PRXPixelPipeline`` at 1024² (guidance 4: batch 2; a
          random tiny text encoder, 256 text tokens) with the transformer eager, regionally compiled,
          and compile_prx's bf16 and fp8 presets: seconds per image (the second of two runs) and the
@@ -220,13 +221,14 @@ def profiles(model, parts: list[str], ablations: bool, case: Case, pixel: bool) 
     static = dict(static=True, specialize=[[1024, 1024, case.batch]])
     bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else ("prx-1024-bf16", "prx-1024-fp8")
     variants = {}
-    if "bf16" in parts:
+    both = not {"bf16", "fp8"} & set(parts)  # ``--parts profile`` alone: both presets, no peer rows
+    if "bf16" in parts or both:
         variants[f"compile_prx[{bf16}]"] = dict(config=bf16, **static)
         if ablations:
             variants[f"compile_prx[{bf16}, attention_kernel: cudnn]"] = dict(
                 config=bf16, attention_kernel="cudnn", **static
             )
-    if "fp8" in parts:
+    if "fp8" in parts or both:
         variants[f"compile_prx[{fp8}]"] = dict(config=fp8, **static)
         if ablations:
             variants[f"compile_prx[{fp8}, fp8_attention: true]"] = dict(

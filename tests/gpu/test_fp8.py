@@ -65,15 +65,21 @@ def test_fp8_gated_mlp_on_cuda_matches_the_three_linears():
     assert 1e-2 < rel_err(out, exact) < 1e-1  # two FP8 roundings in a row (measured 6.6e-2)
 
 
-def test_fp8_linear_on_cuda_matches_its_definition():
+@pytest.mark.parametrize("biased", [False, True])
+def test_fp8_linear_on_cuda_matches_its_definition(biased):
     x = torch.randn(2, 500, 1792, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(5376, 1792, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(5376, device="cuda", dtype=torch.bfloat16) if biased else None
     w8, ws = fp8.quantize_weight(w)
-    out = torch.ops.prx_compile.fp8_linear(x, w8, ws, None)
+    out = torch.ops.prx_compile.fp8_linear(x, w8, ws, b)
     q, s = row_quant_fp8_torch(x.reshape(-1, 1792))
     definition = ((q.float() * s) @ (w8.float() * ws[:, None]).T).view(2, 500, 5376)
+    exact = x.float() @ w.float().T
+    if biased:  # added in the GEMM's epilogue: the bias of the definition, not dropped or doubled
+        definition, exact = definition + b.float(), exact + b.float()
+        assert rel_err(out - b, definition - b.float()) < 1e-2
     assert out.dtype == torch.bfloat16 and rel_err(out, definition) < 1e-2
-    assert rel_err(out, x @ w.T) < 6e-2
+    assert rel_err(out, exact) < 6e-2
 
 
 def test_compiled_fp8_matches_eager_under_the_mask_with_a_lora():
