@@ -17,6 +17,7 @@ from prx_compile.tools.bench import rel_err, time_back_to_back, time_cuda
 
 __all__ = [
     "first_call",
+    "step_timeline",
     "init_random_",
     "kernel_profile",
     "memory_gb",
@@ -142,4 +143,59 @@ def kernel_profile(fn, kwargs: dict[str, Any], steps: int = 3) -> dict[str, Any]
         "kernel_ms_total": round(sum(ms for _, ms in kernels.values()), 3),
         "by_category": kernel_categories(kernels),
         "top_kernels": [{"name": k[:160], "calls": c, "ms": round(ms, 4)} for k, (c, ms) in top],
+    }
+
+
+def step_timeline(fn, kwargs: dict[str, Any], steps: int = 5, top: int = 15) -> dict[str, Any]:
+    """Where a step's time goes as it runs, CUDA graphs and all: ``steps`` steps queued back to back
+    under torch.profiler, then per step the span from the first kernel's start to the last one's end,
+    the time some kernel ran (``busy_ms``, the union of their intervals), the idle rest, the kernels'
+    summed durations by category (to compare with ``kernel_profile``'s, taken without graphs), and the
+    ``top`` longest idle gaps with the kernels on either side. 0 everywhere on a CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        with torch.no_grad():
+            return fn(**kwargs, return_dict=False)
+
+    for _ in range(2):
+        step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if "CUDA" in str(getattr(e, "device_type", "")) and e.time_range.end > e.time_range.start
+    )
+    return timeline_of(spans, steps, top)
+
+
+def timeline_of(spans: list[tuple[float, float, str]], steps: int, top: int = 15) -> dict[str, Any]:
+    """``step_timeline``'s figures from (start µs, end µs, kernel name) triples sorted by start."""
+    if not spans:
+        return {"steps": steps, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "by_category": {}, "gaps": []}
+    busy, gaps, end, last = 0.0, [], spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gaps.append((start - end, last, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    span = end - spans[0][0]
+    names: dict[str, tuple[int, float]] = {}
+    for start, stop, name in spans:
+        calls, ms = names.get(name, (0, 0.0))
+        names[name] = (calls + 1, ms + (stop - start) / 1e3 / steps)
+    gaps.sort(reverse=True)
+    return {
+        "steps": steps,
+        "span_ms": round(span / 1e3 / steps, 3),
+        "busy_ms": round(busy / 1e3 / steps, 3),
+        "idle_ms": round((span - busy) / 1e3 / steps, 3),
+        "gaps_over_10us": sum(1 for g in gaps if g[0] > 10) / steps,
+        "by_category": kernel_categories(names),
+        "gaps": [{"us": round(g, 1), "after": a[:100], "before": b[:100]} for g, a, b in gaps[:top]],
     }

@@ -20,6 +20,8 @@ same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
   saveload  save_compiled of the bf16 module, then load_compiled + the first step in a new process
   profile   one step's kernels by category (CUDA graphs off): ours in bf16 and the regional peer
             (unless only ``fp8`` is asked for), ours in fp8 with ``fp8``, the torchao peer with ``torchao``
+  timeline  ours in bf16 (and fp8 with ``fp8``) as it runs, CUDA graphs on: per step the span of its
+            kernels, the time some kernel ran, the idle rest and its longest gaps (``step_timeline``)
 
 Each path: first call (seconds, cold: builds and compiles included), ms/step back to back (as a
 pipeline runs its steps) and synchronised per call, device memory added (counted once the path's
@@ -38,7 +40,16 @@ import time
 from pathlib import Path
 
 import torch
-from common import first_call, free, init_random_, kernel_profile, memory_gb, rel_err, speed  # noqa: E402
+from common import (  # noqa: E402
+    first_call,
+    free,
+    init_random_,
+    kernel_profile,
+    memory_gb,
+    rel_err,
+    speed,
+    step_timeline,
+)
 
 from prx_compile import compile_transformer, load_lora, save_compiled, set_lora
 from prx_compile.lora import make_random_lora
@@ -112,7 +123,7 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["bf16"],
-        choices=["bf16", "fp8", "torchao", "lora", "pipeline", "saveload", "profile"],
+        choices=["bf16", "fp8", "torchao", "lora", "pipeline", "saveload", "profile", "timeline"],
     )
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
@@ -163,12 +174,16 @@ def main() -> None:
     save()
 
     compiled = None
-    if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload")):
+    if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload", "timeline")):
         base_gb = memory_gb() if cuda else 0.0
         compiled = compile_transformer(model, config="flux-1024-bf16", **overrides)
         records.append(
             record("compile_transformer[flux-1024-bf16]", compiled, kw, ref_out, base_gb, args.iters)
         )
+        save()
+    if "timeline" in args.parts and compiled is not None:
+        result["timeline_bf16"] = step_timeline(compiled, kw)
+        log(f"timeline bf16: {json.dumps({k: v for k, v in result['timeline_bf16'].items() if k != 'gaps'})}")
         save()
     if "lora" in args.parts:
         result["lora"] = lora_switch(compiled, model, kw)
@@ -224,6 +239,11 @@ def main() -> None:
         ours = compile_transformer(m, config="flux-1024-fp8", **overrides)
         records.append(record("compile_transformer[flux-1024-fp8]", ours, kw, ref_out, base_gb, args.iters))
         save()
+        if "timeline" in args.parts:
+            result["timeline_fp8"] = step_timeline(ours, kw)
+            summary = {k: v for k, v in result["timeline_fp8"].items() if k != "gaps"}
+            log(f"timeline fp8: {json.dumps(summary)}")
+            save()
         if "profile" in args.parts and cuda:
             ct = compile_transformer(
                 copy.deepcopy(model), config="flux-1024-fp8", cuda_graphs=False, **overrides
