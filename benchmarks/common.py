@@ -17,12 +17,13 @@ from prx_compile.tools.bench import rel_err, time_back_to_back, time_cuda
 
 __all__ = [
     "first_call",
-    "step_timeline",
     "init_random_",
     "kernel_profile",
     "memory_gb",
     "rel_err",
     "speed",
+    "step_timeline",
+    "timeline_of",
     "time_back_to_back",
     "time_cuda",
 ]
