@@ -197,6 +197,7 @@ def timeline_of(spans: list[tuple[float, float, str]], steps: int, top: int = 15
         "busy_ms": round(busy / 1e3 / steps, 3),
         "idle_ms": round((span - busy) / 1e3 / steps, 3),
         "gaps_over_10us": sum(1 for g in gaps if g[0] > 10) / steps,
+        "idle_ms_in_gaps_over_10us": round(sum(g[0] for g in gaps if g[0] > 10) / 1e3 / steps, 3),
         "by_category": kernel_categories(names),
         "gaps": [{"us": round(g, 1), "after": a[:100], "before": b[:100]} for g, a, b in gaps[:top]],
     }

@@ -23,6 +23,9 @@ ms/step and the error against bf16 eager. Parts (each path appended in this orde
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for (``profile`` alone: eager's rows only, and
          both presets profiled) -> OUT.json's ``profiles``
+  timeline the compile_prx presets of the parts asked for (``timeline`` alone: both) as they run,
+         CUDA graphs on, at 1024² b2: per step the span of its kernels, the time some kernel ran, the
+         idle rest and its longest gaps (``common.step_timeline``) -> OUT.json's ``timelines``
   pipeline (``--model pixel``) a 28-step ``PRXPixelPipeline`` at 1024² (guidance 4: batch 2; a
          random tiny text encoder, 256 text tokens) with the transformer eager, regionally compiled,
          and compile_prx's bf16 and fp8 presets: seconds per image (the second of two runs) and the
@@ -128,7 +131,7 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["bf16", "fp8"],
-        choices=["bf16", "fp8", "whole", "profile", "pipeline"],
+        choices=["bf16", "fp8", "whole", "profile", "timeline", "pipeline"],
     )
     ap.add_argument("--shapes", type=int, default=3, choices=[1, 2, 3])
     ap.add_argument("--ablations", action="store_true", help="also the rows of 0.15's levers (see below)")
@@ -143,6 +146,10 @@ def main() -> None:
     print(table(res), flush=True)
     if "profile" in args.parts:
         res["profiles"] = profiles(model, args.parts, args.ablations, shapes[0], pixel)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if "timeline" in args.parts:
+        res["timelines"] = timelines(model, args.parts, shapes[0], pixel)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
     if "pipeline" in args.parts and pixel:
@@ -205,6 +212,36 @@ def pixel_pipeline(model, steps: int = 28, size: int = 1024, text: int = 256) ->
             row = {"error": f"{type(e).__name__}: {e}"[:500]}
         out[label] = row
         print("pipeline", label, row, flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def presets(parts: list[str], pixel: bool) -> list[str]:
+    """The compile_prx presets of ``parts`` (both when neither ``bf16`` nor ``fp8`` is asked)."""
+    bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else ("prx-1024-bf16", "prx-1024-fp8")
+    both = not {"bf16", "fp8"} & set(parts)
+    return [p for p, part in ((bf16, "bf16"), (fp8, "fp8")) if part in parts or both]
+
+
+def timelines(model, parts: list[str], case: Case, pixel: bool) -> dict:
+    """Each preset of ``parts`` as it runs at ``case``, CUDA graphs on (``common.step_timeline``)."""
+    from common import step_timeline  # benchmarks/, beside this script
+
+    from prx_compile import compile_prx
+
+    kw = case.inputs(model, torch.bfloat16, "cuda")
+    out = {}
+    for preset in presets(parts, pixel):
+        m = copy.deepcopy(model) if "fp8" in preset else model
+        label = f"compile_prx[{preset}]"
+        try:
+            ct = compile_prx(m, config=preset)
+            ct(**kw, return_dict=False)
+            out[label] = step_timeline(ct, kw)
+            print(label, {k: v for k, v in out[label].items() if k != "gaps"}, flush=True)
+        except Exception as e:
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        del m
         torch.cuda.empty_cache()
     return out
 

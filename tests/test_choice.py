@@ -5,6 +5,7 @@ is left out with the reason, the lowering emits what was chosen, and a recorded 
 from an artifact is validated."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -239,6 +240,38 @@ def test_a_recorded_choice_is_validated_before_use(record, message):
     assert KernelChoice.from_json(old).seconds == {}
     with pytest.raises(ValueError, match=message):
         KernelChoice.from_json({**good, **record})
+
+
+def test_the_candidates_that_compile_run_once_side_by_side_before_their_checks(monkeypatch):
+    """The FP8 tilings (Triton) and FlashAttention-4 (CuTe DSL) compile at their first call: they run
+    once together, each in a thread of its own, so the compilations overlap; then each is checked and
+    timed as before. One that raises there is still checked (and left out for what it raises then)."""
+    plan, model, shapes, example = setup(precision="fp8", fp8_attention="auto")
+    assert [n for n in plan.attention_candidates if choice.compiles(n)] == list(FP8)
+    seen, together = set(), []
+    barrier = threading.Barrier(len(FP8), timeout=10)  # passes only if all run at once
+    real = choice._Bench.candidate
+
+    def candidate(self, group, name):
+        fn, bound = real(self, group, name)
+
+        def run():
+            if name not in seen and choice.compiles(name):
+                seen.add(name)
+                assert threading.current_thread().name.startswith("prx-kernel-warm-up")
+                barrier.wait()
+                together.append(name)
+                if name == "fp8/1":
+                    raise RuntimeError("a transient failure in the warm-up")
+            return fn()
+
+        return run, bound
+
+    monkeypatch.setattr(choice._Bench, "candidate", candidate)
+    got = choice.choose(plan, model, shapes, example, timer_of({"attention/fp8/1": 1.0}))
+    assert sorted(together) == sorted(FP8)
+    assert got.attention == "fp8/1" and not got.rejected  # checked and timed after its warm-up raised
+    assert got.seconds["attention/warm-up"] > 0 and "attention/split" in got.seconds
 
 
 def test_the_gate_is_measured_alone_and_the_attention_in_a_thread_with_a_retry_of_what_raised(monkeypatch):
