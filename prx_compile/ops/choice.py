@@ -280,19 +280,23 @@ class Measurement:
         )
 
     # -- the parts ---------------------------------------------------------------------------------
+    def _on_side_stream(self, fn: Callable[[], Any]) -> None:
+        """``fn()`` on a new stream of the device, waited for (CUDA); on a CPU, ``fn()`` as it is."""
+        if self.device.type != "cuda":
+            fn()
+            return
+        with torch.cuda.device(self.device), torch.no_grad():
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                fn()
+            stream.synchronize()
+
     def _part(self, fn: Callable[[], None]) -> None:
         """``fn()`` on a side stream (CUDA), timed into ``wall_s``; what it raises is kept in
         ``error`` (reported by ``result()``)."""
         t0 = time.perf_counter()
         try:
-            if self.device.type != "cuda":
-                fn()
-                return
-            with torch.cuda.device(self.device), torch.no_grad():
-                stream = torch.cuda.Stream(self.device)
-                with torch.cuda.stream(stream):
-                    fn()
-                stream.synchronize()
+            self._on_side_stream(fn)
         except Exception as e:  # noqa: BLE001 (reported by result())
             self.error = e
         finally:
@@ -352,14 +356,7 @@ class Measurement:
         def run(item: tuple[str, Callable[[], Any]]) -> None:
             name, fn = item
             try:
-                if self.device.type != "cuda":
-                    fn()
-                    return
-                with torch.cuda.device(self.device), torch.no_grad():
-                    stream = torch.cuda.Stream(self.device)
-                    with torch.cuda.stream(stream):
-                        fn()
-                    stream.synchronize()
+                self._on_side_stream(fn)
             except Exception as e:  # noqa: BLE001 (its check runs it again and records the reason)
                 logger.debug("warm-up of %s/%s raised: %s", group, name, e)
 
