@@ -256,24 +256,18 @@ def profiles(model, parts: list[str], ablations: bool, case: Case, pixel: bool) 
     kw = case.inputs(model, torch.bfloat16, "cuda")
     out = {"eager": kernel_profile(model, kw)}
     static = dict(static=True, specialize=[[1024, 1024, case.batch]])
-    bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else ("prx-1024-bf16", "prx-1024-fp8")
     variants = {}
-    both = not {"bf16", "fp8"} & set(parts)  # ``--parts profile`` alone: both presets, no peer rows
-    if "bf16" in parts or both:
-        variants[f"compile_prx[{bf16}]"] = dict(config=bf16, **static)
-        if ablations:
-            variants[f"compile_prx[{bf16}, attention_kernel: cudnn]"] = dict(
-                config=bf16, attention_kernel="cudnn", **static
+    for preset in presets(parts, pixel):  # ``--parts profile`` alone: both presets, no peer rows
+        variants[f"compile_prx[{preset}]"] = dict(config=preset, **static)
+        if ablations and "bf16" in preset:
+            variants[f"compile_prx[{preset}, attention_kernel: cudnn]"] = dict(
+                config=preset, attention_kernel="cudnn", **static
             )
-    if "fp8" in parts or both:
-        variants[f"compile_prx[{fp8}]"] = dict(config=fp8, **static)
-        if ablations:
-            variants[f"compile_prx[{fp8}, fp8_attention: true]"] = dict(
-                config=fp8, fp8_attention=True, **static
-            )
-            variants[f"compile_prx[{fp8}, fp8_attention: false]"] = dict(
-                config=fp8, fp8_attention=False, **static
-            )
+        if ablations and "fp8" in preset:
+            for on in (True, False):
+                variants[f"compile_prx[{preset}, fp8_attention: {str(on).lower()}]"] = dict(
+                    config=preset, fp8_attention=on, **static
+                )
     for label, kwargs in variants.items():
         m = copy.deepcopy(model) if "fp8" in label else model
         try:
