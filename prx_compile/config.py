@@ -105,8 +105,9 @@ class CompileConfig:
         with an engine for GELU * up between them.
     fp8_attention: with ``precision: fp8`` and ``attention: fused``, whether PRX's joint attention may
         run on FP8 tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one
-        scale per block of tokens and head, computed on the device): true, our FP8 kernels only (each
-        engine set measures their tilings and keeps the fastest); false, bf16 only
+        scale per block of tokens and head, computed on the device; with the ``cudnn`` extra also
+        ``prx_attention_cudnn_fp8``, cuDNN's FP8 SDPA with one scale per tensor): true, FP8 kernels
+        only (each engine set measures them and keeps the fastest); false, bf16 only
         (``attention_kernel``); "auto" (the default), both kinds are candidates and each engine set
         keeps the fastest within its error bound (``ops.choice``). At 7B (heads of 128) the bf16
         FlashAttention-4 call won (0.70 ms against 0.87 ms for the best FP8 tiling,

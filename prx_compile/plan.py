@@ -136,7 +136,7 @@ class Plan:
             fp8_mlp=cfg.fp8_mlp,
             fp8_attention=joint and attention.startswith("fp8/"),
             fp8_tile=int(attention[4:]) if joint and attention.startswith("fp8/") else 0,
-            padded_attention=attention if joint and attention in ("flash4", "cudnn") else None,
+            padded_attention=attention if joint and attention in ("flash4", "cudnn", "cudnn_fp8") else None,
             dense_attention=attention if not joint else "sdpa",
             gelu_gate=gate and self.gelu_gate(shapes),
             linears_in_torch=self.linears_in_torch(shapes),
@@ -260,7 +260,7 @@ def _attention_candidates(config: CompileConfig, spec: ModelSpec) -> tuple[str, 
         bf16 = (*(k for k, installed in packages.items() if installed()), "split")
     else:
         bf16 = (kernel,) if kernel != "split" else ("split",)
-    fp8 = tuple(f"fp8/{i}" for i in range(len(TILES)))
+    fp8 = (*(f"fp8/{i}" for i in range(len(TILES))), *(("cudnn_fp8",) if cudnn_attention.installed() else ()))
     if config.precision != "fp8" or config.fp8_attention is False:
         return bf16
     return fp8 if config.fp8_attention is True else fp8 + bf16

@@ -217,9 +217,10 @@ FP8 = ("fp8/0", "fp8/1", "fp8/2", "fp8/3")
         ({"attention_kernel": "cudnn"}, True, True, ("cudnn",)),
         ({"attention": "flash"}, True, True, ("split",)),
         ({"precision": "fp8"}, True, False, (*FP8, "flash4", "split")),
-        ({"precision": "fp8", "fp8_attention": True}, True, True, FP8),
+        ({"precision": "fp8", "fp8_attention": True}, True, True, (*FP8, "cudnn_fp8")),
+        ({"precision": "fp8", "fp8_attention": True}, True, False, FP8),
         ({"precision": "fp8", "fp8_attention": False}, False, True, ("cudnn", "split")),
-        ({"precision": "fp8", "attention_kernel": "split"}, True, True, (*FP8, "split")),
+        ({"precision": "fp8", "attention_kernel": "split"}, True, True, (*FP8, "cudnn_fp8", "split")),
     ],
 )
 def test_the_attention_candidates_are_what_the_config_and_the_packages_allow(

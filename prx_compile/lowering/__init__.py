@@ -50,7 +50,7 @@ from . import (
 logger = logging.getLogger(__name__)
 
 ATTENTION_FORMS = ("flash", "tensorrt")
-PADDED_ATTENTION = (None, "flash4", "cudnn")
+PADDED_ATTENTION = (None, "flash4", "cudnn", "cudnn_fp8")
 DENSE_ATTENTION = ("sdpa", "cudnn", "flash4")
 
 
@@ -67,7 +67,8 @@ class LoweringSettings:
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
     fp8_tile: the FP8 kernels' tiling, an index into ``ops.fp8_attention.TILES``.
     padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
-        layout: "flash4" (``prx_attention_flash4``), "cudnn" (``prx_attention_cudnn``) or None.
+        layout: "flash4" (``prx_attention_flash4``), "cudnn" (``prx_attention_cudnn``), "cudnn_fp8"
+        (``prx_attention_cudnn_fp8``) or None.
     dense_attention: the kernel each dense ``prx_compile::attention`` runs: "sdpa", "cudnn", "flash4".
     gelu_gate: fuse each MLP gate ``gelu_tanh(linear(x, Wg)) * linear(x, Wu)`` into one
         ``gelu_gate`` op (a cuDNN GEMM with the activation in its epilogue).

@@ -8,13 +8,14 @@
 
 The candidates are what the config allows and this machine has (``Plan.attention_candidates``,
 ``Plan.gate_candidates``): PRX's joint attention on FlashAttention-4, on cuDNN, as the split path, or
-(``precision: fp8``) on our FP8 kernels in each tiling of ``ops.fp8_attention.TILES``; FLUX's dense
-attention on FlashAttention-4, cuDNN or PyTorch's SDPA; the MLP gate as one cuDNN GEMM with GELU * up
-in its epilogue, or not. A user's explicit choice is the only candidate. Each candidate runs once at
-the set's own tuning point (JIT compilation and cuDNN plans happen here, not in the first step: this
-is also the step's warm-up), its output is held to an fp32 reference of the same op (relative error:
-``MAX_ERROR``), then it is timed as a CUDA graph of ``REPEATS`` calls replayed ``ROUNDS`` times (the
-least mean kept: launch overhead and a busy Python thread do not count). Beside a TensorRT build the
+(``precision: fp8``) on our FP8 kernels in each tiling of ``ops.fp8_attention.TILES`` or on cuDNN's
+FP8 SDPA ("cudnn_fp8"); FLUX's dense attention on FlashAttention-4, cuDNN or PyTorch's SDPA; the MLP
+gate as one cuDNN GEMM with GELU * up in its epilogue, or not. A user's explicit choice is the only
+candidate. Each candidate runs once at the set's own tuning point (JIT compilation and cuDNN plans
+happen here, not in the first step: this is also the step's warm-up), its output is held to an fp32
+reference of the same op (relative error: ``MAX_ERROR``), then it is timed as a CUDA graph of
+``REPEATS`` calls replayed ``ROUNDS`` times (the least mean kept: launch overhead and a busy Python
+thread do not count). Beside a TensorRT build the
 candidates only run and are checked; they are timed after the build, alone on the GPU (timed beside
 it, FlashAttention-4 measured 0.88 ms instead of 0.48 at 832x1216 and lost to cuDNN:
 ``benchmarks/results/peers_v20_prx_bf16_h200.json``). The fastest candidate within
@@ -62,7 +63,7 @@ ROUNDS = 3
 #: replays of one candidate vary by about 1 %): the most exact of them runs
 TIE = 0.02
 #: the attention candidates' names besides our FP8 kernels' ("fp8/<tiling>")
-NAMES = ("flash4", "cudnn", "split", "sdpa")
+NAMES = ("flash4", "cudnn", "split", "sdpa", "cudnn_fp8")
 
 
 def compiles(name: str) -> bool:
@@ -70,7 +71,7 @@ def compiles(name: str) -> bool:
     these once side by side before checking them one by one. Triton's compilations leave the GIL to
     each other: our four FP8 tilings at the 7B shape compiled in 7.9 s in threads, against 16.8 s one
     after another (``benchmarks/results/compile_time_v22_h200.json``)."""
-    return name.startswith("fp8/") or name == "flash4"
+    return name.startswith("fp8/") or name in ("flash4", "cudnn_fp8")
 
 
 _NAME = schema.Str(40)
@@ -92,7 +93,7 @@ _CHOICE = schema.Dict(
 class KernelChoice:
     """What one engine set runs, and why.
 
-    attention: the attention candidate it runs ("flash4", "cudnn", "split", "fp8/<tile>"; dense:
+    attention: the attention candidate it runs ("flash4", "cudnn", "split", "fp8/<tile>", "cudnn_fp8"; dense:
         "flash4", "cudnn", "sdpa"). gelu_gate: whether the MLP gate is one cuDNN GEMM.
     how: "measured", "the only candidates" (nothing to choose) or "not measured (no CUDA)".
     ms: candidate -> ms per call at the set's tuning point ("attention/<name>", "gelu_gate/fused",
@@ -432,9 +433,10 @@ class _Bench:
             q, k, v = self._dense_inputs()
             return (lambda: self.attention(q, k, v, self.head_dim**-0.5, name)), MAX_ERROR["bf16"]
         fp8 = int(name.split("/", 1)[1]) if name.startswith("fp8/") else None
-        padded = name if name in ("flash4", "cudnn") else None
+        padded = name if name in ("flash4", "cudnn", "cudnn_fp8") else None
         args = self._joint_inputs()
-        return (lambda: self._prx(*args, fp8, padded)), MAX_ERROR["fp8" if fp8 is not None else "bf16"]
+        bound = MAX_ERROR["fp8" if fp8 is not None or name == "cudnn_fp8" else "bf16"]
+        return (lambda: self._prx(*args, fp8, padded)), bound
 
     def reference(self, group: str) -> torch.Tensor:
         """The group's op on batch row 0 (the gate: one row's tokens) in fp32 PyTorch ops."""

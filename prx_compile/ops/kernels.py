@@ -166,15 +166,16 @@ def _norm_rope_kernel():
     @triton.jit
     def _kernel(
         x, sxb, sxl, sxh, w, f, sfb, sfl, out, sob, oof, v, svb, svl, svh, vout, n_rows, L, H, eps,
-        m, smb, T, seq, sqs, lq,
+        m, smb, T, seq, sqs, lq, mult,
         D: tl.constexpr, BR: tl.constexpr, HAS_ROPE: tl.constexpr, COPY_V: tl.constexpr,
-        PACK: tl.constexpr, BT: tl.constexpr, ROUND_TWICE: tl.constexpr,
+        PACK: tl.constexpr, BT: tl.constexpr, ROUND_TWICE: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         # A program = BR rows (b, l, h) of D contiguous elements, each row and its rotations read
         # once, contiguously; RoPE pairs (2i, 2i + 1) are split apart and joined back in registers.
         # Row (b, l, h) goes to out[b * sob + (oof + l') * H * D + h * D]: l' = l, or with PACK the
         # rank of l among the kept tokens of row b of the mask m (kept tokens first, in order; the
         # others after them, zeroed), and seq[0, b] = lq, seq[1, b] = oof + kept for cuDNN.
+        # With FP8, out and vout are e4m3: y x mult[0] and v x mult[1], clamped to +-448.
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = (r < n_rows)[:, None]
         h = r % H
@@ -214,11 +215,15 @@ def _norm_rope_kernel():
             tl.store(seq + b, lq + 0 * b, mask=first)
             tl.store(seq + sqs + b, oof + kept, mask=first)
         dst = (b * sob + (oof + dest) * (H * D) + h * D)[:, None] + e[None, :]
+        if FP8:
+            y = tl.minimum(tl.maximum(y * tl.load(mult), -448.0), 448.0)
         tl.store(out + dst, y.to(out.dtype.element_ty), mask=rm)
         if COPY_V:
             val = tl.load(v + (b * svb + tok * svl + h * svh)[:, None] + e[None, :], mask=rm, other=0.0)
             if PACK:
                 val = tl.where(keep[:, None], val, 0.0)
+            if FP8:
+                val = tl.minimum(tl.maximum(val.to(tl.float32) * tl.load(mult + 1), -448.0), 448.0)
             tl.store(vout + dst, val.to(vout.dtype.element_ty), mask=rm)
 
     _NORM_ROPE_KERNEL = (_kernel, triton)
@@ -281,6 +286,7 @@ def qk_norm_rope_into(
     seq: torch.Tensor | None = None,
     lq: int = 0,
     round_twice: bool = True,
+    mult: torch.Tensor | None = None,
 ) -> None:
     """``qk_norm_rope`` written into rows ``offset:`` of key/value buffers (one Triton kernel).
 
@@ -292,6 +298,8 @@ def qk_norm_rope_into(
             others after them as zeros (a key-padding layout), and ``seq`` is written.
         seq: (2, >= B) int32 with unit last stride, with ``mask``: ``seq[0, b] = lq`` and
             ``seq[1, b] = offset + kept`` for each row b (cuDNN's ``seq_len_q`` / ``seq_len_kv``).
+        mult: with float8_e4m3fn buffers, (2,) fp32 on the device: out gets the normalised x times
+            ``mult[0]``, vout v times ``mult[1]``, each clamped to +-448 before the cast.
     """
     if mask is not None and (
         seq is None
@@ -305,12 +313,15 @@ def qk_norm_rope_into(
         or seq.stride(1) != 1
     ):
         raise ValueError("qk_norm_rope_into: mask must be (B, L) bool, with seq (2, >= B) int32")
-    _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask, seq, lq, round_twice)
+    _norm_rope_launch(x, weight, eps, rope, v, out, vout, offset, mask, seq, lq, round_twice, mult)
 
 
 def _norm_rope_launch(
-    x, weight, eps, rope, v, out, vout, offset, mask=None, seq=None, lq=0, round_twice=True
+    x, weight, eps, rope, v, out, vout, offset, mask=None, seq=None, lq=0, round_twice=True, mult=None
 ) -> None:
+    fp8 = out.dtype == torch.float8_e4m3fn
+    if fp8 != (mult is not None) or (fp8 and (mult.dtype != torch.float32 or mult.numel() < 2)):
+        raise ValueError("norm/RoPE: float8_e4m3fn buffers need mult, (2,) fp32 multipliers, and only they")
     kernel, triton = _norm_rope_kernel()
     b, seq_len, h, d = x.shape
     if out.dim() != 4 or not out.is_contiguous() or out.shape[0] != b or out.shape[2:] != (h, d):
@@ -353,6 +364,7 @@ def _norm_rope_launch(
         seq if pack else out,
         seq.stride(0) if pack else 0,
         lq,
+        mult if fp8 else out,
         D=d,
         BR=br,
         HAS_ROPE=rope is not None,
@@ -360,6 +372,7 @@ def _norm_rope_launch(
         PACK=pack,
         BT=triton.next_power_of_2(seq_len) if pack else 1,
         ROUND_TWICE=round_twice,
+        FP8=fp8,
         num_warps=4,
     )
 
@@ -465,3 +478,169 @@ def gelu_mul_quant_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
     # 8 warps up to 16384 columns: 3.26 against 16 warps' 2.93 TB/s at 12288 (``quant_kernels_v21_h200.json``)
     kernel[(m,)](gate, up, q, s, k, gate.stride(0), up.stride(0), BK=bk, num_warps=16 if bk > 16384 else 8)
     return q, s
+
+
+# -- FP8 attention's per-tensor scales (cuDNN's FP8 SDPA) ------------------------------------------
+#: rows of the (FP8_SCALARS, 4) fp32 buffer ``fp8_attention_scales`` writes (column 0; rows 16 bytes
+#: apart, the alignment cuDNN's tensors take). MULT holds the quantisation multipliers of Q, K and V
+#: (448 / their bound) in columns 0-2, as ``qk_norm_rope_into``'s ``mult`` reads them.
+AMAX_V, DESCALE_Q, DESCALE_K, DESCALE_V, DESCALE_S, SCALE_S, SCALE_O, AMAX_O, MULT = range(9)
+FP8_SCALARS = 9
+_FP8_SCALE_KERNELS = None
+
+
+def _fp8_scale_kernels():
+    global _FP8_SCALE_KERNELS
+    if _FP8_SCALE_KERNELS is not None:
+        return _FP8_SCALE_KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _amax_rows(
+        x, sxb, sxl, n_rows, L, W, out, keep, skb,
+        BR: tl.constexpr, BW: tl.constexpr, STEPS: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        # max |x| over the program's STEPS x BR rows (b, l) of W contiguous elements (with MASKED
+        # only the rows whose keep[b, l] is set), folded into out[0] atomically (one atomic per
+        # program)
+        start = tl.program_id(0) * (STEPS * BR)
+        c = tl.arange(0, BW)
+        acc = tl.zeros((BR, BW), dtype=tl.float32)
+        for i in range(STEPS):
+            r = start + i * BR + tl.arange(0, BR)
+            ok = r < n_rows
+            if MASKED:
+                ok = ok & (tl.load(keep + (r // L) * skb + r % L, mask=ok, other=0) != 0)
+            ptr = x + ((r // L) * sxb + (r % L) * sxl)[:, None] + c[None, :]
+            v = tl.load(ptr, mask=ok[:, None] & (c < W)[None, :], other=0.0)
+            acc = tl.maximum(acc, tl.abs(v.to(tl.float32)))
+        tl.atomic_max(out, tl.max(tl.max(acc, axis=1), axis=0))
+
+    @triton.jit
+    def _finish(sc, wq, wk, wt, bound, D: tl.constexpr):
+        # row r of the scalars is at sc + 4 * r: DESCALE_Q = 1 ... SCALE_O = 6, MULT = 8 (as above)
+        e = tl.arange(0, D)
+        aq = tl.max(tl.abs(tl.load(wq + e).to(tl.float32)), axis=0) * bound
+        ak = (
+            tl.maximum(
+                tl.max(tl.abs(tl.load(wk + e).to(tl.float32)), axis=0),
+                tl.max(tl.abs(tl.load(wt + e).to(tl.float32)), axis=0),
+            )
+            * bound
+        )
+        aq = tl.maximum(aq, 1e-12)
+        ak = tl.maximum(ak, 1e-12)
+        av = tl.maximum(tl.load(sc), 1e-12)
+        tl.store(sc + 4 * 1, aq / 448.0)
+        tl.store(sc + 4 * 2, ak / 448.0)
+        tl.store(sc + 4 * 3, av / 448.0)
+        tl.store(sc + 4 * 4, 1.0 / 448.0)
+        tl.store(sc + 4 * 5, 448.0)
+        tl.store(sc + 4 * 6, 448.0 / av)
+        tl.store(sc + 4 * 8, 448.0 / aq)
+        tl.store(sc + 4 * 8 + 1, 448.0 / ak)
+        tl.store(sc + 4 * 8 + 2, 448.0 / av)
+
+    @triton.jit
+    def _dequant(x, out, sc, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x + i, mask=i < n, other=0.0).to(tl.float32) * tl.load(sc + 4 * 3)
+        tl.store(out + i, v.to(out.dtype.element_ty), mask=i < n)
+
+    _FP8_SCALE_KERNELS = (_amax_rows, _finish, _dequant, triton)
+    return _FP8_SCALE_KERNELS
+
+
+def fp8_attention_scales_torch(
+    v_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    v_b: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    t_weight: torch.Tensor,
+) -> torch.Tensor:
+    """The per-tensor scales of FP8 attention over [keys a under mask_a; keys b], in PyTorch ops.
+
+    Q and K are RMS-normalised: an element never exceeds sqrt(D) times the norm weight's largest
+    magnitude (RoPE rotates pairs, keeping their norm), so their bounds come from the weights, with no
+    pass over the tensors; V's is the largest magnitude of the values attended (masked-out values
+    change nothing). Q gets ``q_weight``'s bound, K (both parts) the larger of ``k_weight``'s
+    (keys b) and ``t_weight``'s (keys a).
+
+    Args:
+        v_a: (B, La, H, D) values, mask_a (B, La) bool (True = attend). v_b: (B, Lb, H, D).
+        q_weight, k_weight, t_weight: (D,).
+
+    Returns:
+        (FP8_SCALARS, 4) fp32 on v_b's device, column 0 by the row constants above: the descales
+        (bound / 448) of Q, K, V and P (1/448), P's scale 448, O's scale 448 / amax(V), and in row
+        MULT the multipliers 448 / bound of Q, K and V.
+    """
+    bound = q_weight.shape[0] ** 0.5
+
+    def amax(x):
+        return x.detach().float().abs().amax() if x.numel() else torch.zeros((), device=v_b.device)
+
+    aq = (amax(q_weight) * bound).clamp(min=1e-12)
+    ak = (torch.maximum(amax(k_weight), amax(t_weight)) * bound).clamp(min=1e-12)
+    kept = v_a * mask_a[:, :, None, None].to(v_a.dtype)
+    av = torch.maximum(amax(kept), amax(v_b)).clamp(min=1e-12)
+    sc = torch.zeros(FP8_SCALARS, 4, dtype=torch.float32, device=v_b.device)
+    sc[AMAX_V, 0], sc[DESCALE_Q, 0], sc[DESCALE_K, 0], sc[DESCALE_V, 0] = av, aq / 448, ak / 448, av / 448
+    sc[DESCALE_S, 0], sc[SCALE_S, 0], sc[SCALE_O, 0] = 1 / 448, 448.0, 448 / av
+    sc[MULT, 0], sc[MULT, 1], sc[MULT, 2] = 448 / aq, 448 / ak, 448 / av
+    return sc
+
+
+def fp8_attention_scales(
+    v_a: torch.Tensor,
+    mask_a: torch.Tensor,
+    v_b: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    t_weight: torch.Tensor,
+) -> torch.Tensor:
+    """``fp8_attention_scales_torch`` on the device in three Triton launches (V's largest magnitude
+    folded atomically over both parts, then the scalars), no host sync; the torch ops elsewhere.
+    ``mask_a`` (B, La) bool with unit last stride."""
+    ws = (q_weight, k_weight, t_weight)
+    d = q_weight.shape[0]
+    if not (
+        _use_triton(v_a, v_b)
+        and all(w.is_cuda and w.shape == (d,) and w.is_contiguous() for w in ws)
+        and v_a.shape[-1] == d == v_b.shape[-1]
+        and all(x.stride(2) == d for x in (v_a, v_b))  # heads then dims contiguous within a token
+        and d & (d - 1) == 0
+        and mask_a.dtype == torch.bool
+        and mask_a.stride(-1) == 1
+    ):
+        return fp8_attention_scales_torch(v_a, mask_a, v_b, *ws)
+    amax_rows, finish, _, triton = _fp8_scale_kernels()
+    sc = torch.zeros(FP8_SCALARS, 4, dtype=torch.float32, device=v_b.device)
+    for x, mask in ((v_a, mask_a), (v_b, None)):
+        b, seq, h, _ = x.shape
+        rows = b * seq
+        if rows:
+            bw = triton.next_power_of_2(h * d)
+            br = max(1, 4096 // bw)
+            # 16 steps of br rows a program: 512 programs (so 512 atomics) for 7B's 8192 image rows
+            amax_rows[(triton.cdiv(rows, 16 * br),)](
+                x, x.stride(0), x.stride(1), rows, seq, h * d, sc,
+                mask.view(torch.uint8) if mask is not None else sc, mask.stride(0) if mask is not None else 0,
+                BR=br, BW=bw, STEPS=16, MASKED=mask is not None, num_warps=8,
+            )  # fmt: skip
+    finish[(1,)](sc, *ws, float(d) ** 0.5, D=d, num_warps=1)
+    return sc
+
+
+def dequant_fp8(x: torch.Tensor, scalars: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(...) float8_e4m3fn -> (...) ``dtype``: x times ``scalars[DESCALE_V, 0]`` (an FP8 attention's
+    output scaled by 448 / amax(V) back to its values); one Triton pass on CUDA."""
+    if not (x.is_cuda and x.is_contiguous() and triton_available()):
+        return (x.float() * scalars[DESCALE_V, 0]).to(dtype)
+    _, _, dequant, triton = _fp8_scale_kernels()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = x.numel()
+    dequant[(triton.cdiv(n, 4096),)](x, out, scalars, n, BLOCK=4096, num_warps=8)
+    return out

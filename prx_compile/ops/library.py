@@ -12,6 +12,9 @@
   call under a key-padding mask (``attention_kernel``, rule ``lowering.padded_attention``).
 * ``torch.ops.prx_compile.prx_attention_flash4`` — the same layout with the joint attention as one
   FlashAttention-4 call (``attention_kernel: flash4``, rule ``lowering.padded_attention``).
+* ``torch.ops.prx_compile.prx_attention_cudnn_fp8`` — the same layout in e4m3 with the joint
+  attention as one cuDNN FP8 SDPA call (``precision: fp8``, rule ``lowering.padded_attention``);
+  ``prx_attention_cudnn_fp8_linear`` the same with the FP8 output projection that follows it.
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
@@ -288,10 +291,13 @@ def _prx_attention(
     scale,
     fp8=None,
     padded=None,
+    proj=None,
 ):
     """``prx_attention``'s body; ``fp8`` (None, or a tile index into ``fp8_attention.TILES``) picks
-    ``_joint_fp8`` for the attention itself, ``padded`` ("flash4" or "cudnn") the one-call
-    attention of ``prx_attention_flash4`` / ``prx_attention_cudnn`` where it runs."""
+    ``_joint_fp8`` for the attention itself, ``padded`` ("flash4", "cudnn" or "cudnn_fp8") the
+    one-call attention of ``prx_attention_flash4`` / ``prx_attention_cudnn`` /
+    ``prx_attention_cudnn_fp8`` where it runs. ``proj`` (with "cudnn_fp8" only): (weight_fp8,
+    weight_scale, bias) of an FP8 output projection, whose result is returned instead (B, L, N)."""
     d = q_weight.shape[0] if q_weight.dim() == 1 else -1
     _expect(
         heads > 0 and d > 0 and d % 2 == 0, f"heads={heads} and norm weights of shape {tuple(q_weight.shape)}"
@@ -331,50 +337,85 @@ def _prx_attention(
             eps,
             scale,
             attention,
+            fp8=padded == "cudnn_fp8",
         )
+        if padded == "cudnn_fp8":
+            from .kernels import DESCALE_V, dequant_fp8
+
+            out8, scalars = out
+            if proj is not None:  # the e4m3 output is the GEMM's input: one scale for all its rows
+                x = out8.view(b * seq, heads * d)
+                s = scalars[DESCALE_V, :1].view(1, 1).expand(b * seq, 1).contiguous()
+                n = proj[0].shape[0]
+                return _fp8_gemm(x, s, proj[0], proj[1], img_qkv.dtype, proj[2]).view(b, seq, n)
+            out = dequant_fp8(out8, scalars, img_qkv.dtype)
         return out.reshape(b, seq, heads * d)
     q, _ = _norm_rope(qkv[:, :, 0], q_weight, eps, rope, None)
     k, v = _norm_rope(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2])
     tk, tv = _norm_rope(kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1])
-    if fp8 is not None:
+    if padded == "cudnn_fp8":
+        from .kernels import fp8_attention_scales_torch
+
+        scalars = fp8_attention_scales_torch(
+            kv[:, :, 1], text_mask.bool(), qkv[:, :, 2], q_weight, k_weight, text_k_weight
+        )
+        out = _joint_fp8_tensor(q, tk, tv, text_mask.bool(), k, v, scale, scalars)
+    elif fp8 is not None:
         out = _joint_fp8(q, tk, tv, text_mask.bool(), k, v, scale, fp8)
     else:
         out = _joint(q, tk, tv, text_mask.bool(), k, v, scale)
-    return out.reshape(b, seq, heads * d)
+    out = out.reshape(b, seq, heads * d)
+    return out if proj is None else _fp8_linear(out, *proj)
 
 
 def _padded_kernel(kind: str, qkv: torch.Tensor, q_weight: torch.Tensor, t: int):
     """The module (``flash4_attention`` or ``cudnn_attention``) that runs the one-call attention
-    ``kind`` asks for on these inputs, or None (the split path). "flash4" falls back to cuDNN where
-    FlashAttention-4 cannot run. Both need at least one text token, the norm weights in the
-    activations' dtype and the norm/RoPE kernel's domain (it writes their key-padding layout)."""
+    ``kind`` asks for on these inputs, or None (the split path; for "cudnn_fp8" its PyTorch
+    emulation). "flash4" falls back to cuDNN where FlashAttention-4 cannot run. All need at least one
+    text token, the norm weights in the activations' dtype and the norm/RoPE kernel's domain (it
+    writes their key-padding layout); "cudnn_fp8" cuDNN's FP8 SDPA as well."""
     from . import cudnn_attention, flash4_attention, kernels
 
     x = qkv[:, :, 0]
     if not (t > 0 and q_weight.dtype == x.dtype and kernels.norm_rope_supported(x)):
         return None
+    if kind == "cudnn_fp8":
+        return cudnn_attention if cudnn_attention.fp8_supported(x) and kernels.triton_available() else None
     order = (flash4_attention, cudnn_attention) if kind == "flash4" else (cudnn_attention,)
     return next((m for m in order if m.supported(x)), None)
 
 
-def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale, attention):
+def _padded(qkv, kv, mask, rope, q_weight, k_weight, text_k_weight, eps, scale, attention, fp8=False):
     """The norms and RoPE written straight into [image keys; kept text keys; zeros] buffers, then
     one attention call under the padding mask (``attention.padded_attention``). qkv: (B, L, 3, H,
     D), kv: (B, T, 2, H, D), mask (B, T) bool contiguous, rope None or (B, L, D/2, 2, 2). Returns
-    (B, L, H, D)."""
+    (B, L, H, D) in qkv's dtype.
+
+    ``fp8``: the buffers are e4m3 with per-tensor scales (``kernels.fp8_attention_scales``: Q and K
+    bounded by their norm weights, V by its largest magnitude), the attention is cuDNN's FP8 SDPA
+    (``attention.padded_attention_fp8``), and the result is its (B, L, H, D) e4m3 output with the
+    (``kernels.FP8_SCALARS``, 4) scalars (the output times ``scalars[DESCALE_V, 0]`` is attention)."""
     from . import cudnn_attention, kernels
 
     b, seq, _, h, d = qkv.shape
     t = kv.shape[1]
-    q, _ = kernels.qk_norm_rope(qkv[:, :, 0], q_weight, eps, rope)
-    keys = torch.empty(b, seq + t, h, d, device=qkv.device, dtype=qkv.dtype)
+    dtype = torch.float8_e4m3fn if fp8 else qkv.dtype
+    weights = (q_weight, k_weight, text_k_weight)
+    scalars = kernels.fp8_attention_scales(kv[:, :, 1], mask, qkv[:, :, 2], *weights) if fp8 else None
+    mult = scalars[kernels.MULT] if fp8 else None  # (4,): Q's, K's and V's multipliers
+    q = torch.empty(b, seq, h, d, device=qkv.device, dtype=dtype)
+    keys = torch.empty(b, seq + t, h, d, device=qkv.device, dtype=dtype)
     values = torch.empty_like(keys)
     lengths = cudnn_attention.seq_buffer(b, qkv.device)
-    kernels.qk_norm_rope_into(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2], keys, values, 0)
+    kernels.qk_norm_rope_into(qkv[:, :, 0], q_weight, eps, rope, None, q, None, 0, mult=mult)
+    mult = mult[1:] if fp8 else None
+    kernels.qk_norm_rope_into(qkv[:, :, 1], k_weight, eps, rope, qkv[:, :, 2], keys, values, 0, mult=mult)
     kernels.qk_norm_rope_into(
-        kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1], keys, values, seq, mask, lengths, seq
+        kv[:, :, 0], text_k_weight, eps, None, kv[:, :, 1], keys, values, seq, mask, lengths, seq, mult=mult
     )
-    return attention.padded_attention(q, keys, values, lengths, scale)
+    if not fp8:
+        return attention.padded_attention(q, keys, values, lengths, scale)
+    return attention.padded_attention_fp8(q, keys, values, lengths, scale, scalars), scalars
 
 
 @torch.library.custom_op(f"{_LIB}::prx_attention", mutates_args=())
@@ -545,6 +586,122 @@ def prx_attention_flash4(
 prx_attention_flash4.register_fake(_prx_attention_fake)
 
 
+@torch.library.custom_op(f"{_LIB}::prx_attention_cudnn_fp8", mutates_args=())
+def prx_attention_cudnn_fp8(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """``prx_attention_cudnn``'s layout in e4m3, with the joint attention as one cuDNN FP8 SDPA call
+    (``precision: fp8``, attention candidate "cudnn_fp8", rule ``lowering.padded_attention``).
+
+    Same arguments and result. The norm/RoPE kernels write Q, K and V in e4m3 with one scale per
+    tensor, computed on the device: Q and K from their norm weights (an RMS-normalised element is at
+    most sqrt(D) x the weight's largest magnitude), V from its largest magnitude (one extra read of
+    V). cuDNN's FP8 SDPA on Hopper writes e4m3, scaled by 448 / amax(V) (an output row is a
+    softmax-weighted mean of V's rows, so it cannot overflow); one pass scales it back. Padded text
+    keys contribute nothing (cuDNN's padding mask). Where cuDNN's FP8 SDPA cannot run (no frontend,
+    not Hopper, off CUDA) the same quantisation runs in PyTorch ops with exact attention between (the
+    named fallback, ``_joint_fp8_tensor``).
+    """
+    return _prx_attention(
+        img_qkv,
+        txt_kv,
+        text_mask,
+        rope,
+        q_weight,
+        k_weight,
+        text_k_weight,
+        heads,
+        eps,
+        scale,
+        fp8=None,
+        padded="cudnn_fp8",
+    )
+
+
+prx_attention_cudnn_fp8.register_fake(_prx_attention_fake)
+
+
+@torch.library.custom_op(f"{_LIB}::prx_attention_cudnn_fp8_linear", mutates_args=())
+def prx_attention_cudnn_fp8_linear(
+    img_qkv: torch.Tensor,
+    txt_kv: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    rope: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    text_k_weight: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+    weight_fp8: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``fp8_linear(prx_attention_cudnn_fp8(...), weight_fp8, weight_scale, bias)``: PRX's attention
+    and its output projection, (B, L, 3*H*D) ... -> (B, L, N) (rule ``lowering.padded_attention``).
+
+    cuDNN's FP8 SDPA writes the attention in e4m3 with one scale; that tensor is the projection's
+    FP8 GEMM input as it is, its scale repeated per row. So the output is not scaled back to bf16 and
+    quantised again per row (two passes over it fewer, one rounding fewer). Where cuDNN's FP8 SDPA
+    cannot run, it is the composition of the two ops (their fallbacks).
+    """
+    proj = (weight_fp8, weight_scale, bias)
+    n = _check_fp8_weight("weight_fp8", weight_fp8, weight_scale, heads * q_weight.shape[0])
+    _expect(bias is None or tuple(bias.shape) == (n,), f"bias must have shape ({n},)")
+    return _prx_attention(
+        img_qkv,
+        txt_kv,
+        text_mask,
+        rope,
+        q_weight,
+        k_weight,
+        text_k_weight,
+        heads,
+        eps,
+        scale,
+        padded="cudnn_fp8",
+        proj=proj,
+    )
+
+
+@prx_attention_cudnn_fp8_linear.register_fake
+def _(img_qkv, txt_kv, text_mask, rope, q_weight, k_weight, text_k_weight, heads, eps, scale, weight_fp8, *_):
+    b, seq, _ = img_qkv.shape
+    return img_qkv.new_empty((b, seq, weight_fp8.shape[0]))
+
+
+def _joint_fp8_tensor(q, k_a, v_a, mask_a, k_b, v_b, scale, scalars):
+    """cuDNN's FP8 SDPA as ``prx_attention_cudnn_fp8`` runs it, in PyTorch ops (its named fallback):
+    Q, K, V to e4m3 by the per-tensor multipliers of ``scalars`` (``kernels.fp8_attention_scales``),
+    exact fp32 attention over [k_a under mask_a; k_b] with P through e4m3 (x448), the output through
+    e4m3 (x 448 / amax(V)). Shapes as ``joint_attention``; returns q's dtype."""
+    from .kernels import DESCALE_K, DESCALE_Q, DESCALE_V, MULT
+
+    def e4m3(x, mult):
+        return (x.float() * mult).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+    keep = torch.cat([mask_a, torch.ones(k_b.shape[:2], dtype=torch.bool, device=q.device)], 1)
+    k = torch.cat([k_a, k_b], 1)
+    v = torch.cat([v_a, v_b], 1)
+    qf = e4m3(q, scalars[MULT, 0]) * scalars[DESCALE_Q, 0]
+    kf = e4m3(k, scalars[MULT, 1]) * scalars[DESCALE_K, 0]
+    vf = e4m3(v, scalars[MULT, 2]) * scalars[DESCALE_V, 0]
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    p = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    p = e4m3(p, 448.0) / 448.0
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
+    return (e4m3(out, scalars[MULT, 2]) * scalars[DESCALE_V, 0]).to(q.dtype).contiguous()
+
+
 def _joint_fp8(q, k_a, v_a, mask_a, k_b, v_b, scale, tile=0):
     from . import fp8_attention as fa
 
@@ -602,6 +759,10 @@ def fp8_linear(
     bias is added in the GEMM's epilogue on CUDA. On a CPU the same quantisation runs with torch ops
     and PyTorch's CPU ``_scaled_mm``, and the bias is added after it.
     """
+    return _fp8_linear(x, weight_fp8, weight_scale, bias)
+
+
+def _fp8_linear(x, weight_fp8, weight_scale, bias):
     from .kernels import row_quant_fp8
 
     _expect(x.dim() >= 1, "fp8_linear needs x (..., K)")
@@ -855,6 +1016,8 @@ JOINT_ATTENTION = declare(joint_attention, "attention")
 PRX_ATTENTION = declare(prx_attention, "attention")
 PRX_ATTENTION_CUDNN = declare(prx_attention_cudnn, "attention")
 PRX_ATTENTION_FLASH4 = declare(prx_attention_flash4, "attention")
+PRX_ATTENTION_CUDNN_FP8 = declare(prx_attention_cudnn_fp8, "attention")
+PRX_ATTENTION_CUDNN_FP8_LINEAR = declare(prx_attention_cudnn_fp8_linear, "attention")
 PRX_ATTENTION_FP8 = declare(prx_attention_fp8, "attention")
 ATTENTION = declare(attention, "attention")
 FLUX_ATTENTION = declare(flux_attention, "attention")
