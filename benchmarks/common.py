@@ -7,8 +7,10 @@ Every benchmark writes one JSON file; the README and docs cite them from benchma
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,16 @@ __all__ = [
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def host_gb() -> float:
+    """This process's resident host memory (pinned memory included once touched), GB; 0 where
+    /proc is not there."""
+    try:
+        resident = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return resident * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def memory_gb() -> float:

@@ -10,7 +10,9 @@ same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
 
   bf16      eager; ``compile_transformer`` with ``flux-1024-bf16``; diffusers' regional compilation
             (``compile_repeated_blocks(fullgraph=True)``, on a copy)
-  fp8       ``flux-1024-fp8`` (on a copy: FP8 is installed in place)
+  fp8       ``flux-1024-fp8`` (on a copy: FP8 is installed in place), once per ``--fp8-masters``
+            setting ("device", the default; "host": the exact weights in pinned CPU memory)
+  fp8_lora  with fp8: the lora part's switch on each fp8 module
   torchao   with fp8: torchao float8 (``Float8DynamicActivationFloat8WeightConfig(PerRow())`` on the
             block linears, a copy), then regional compilation (its first call is minutes)
   lora      on the bf16 compiled module: a rank-32 LoRA over every block linear, loaded, switched
@@ -43,6 +45,7 @@ import torch
 from common import (  # noqa: E402
     first_call,
     free,
+    host_gb,
     init_random_,
     kernel_profile,
     memory_gb,
@@ -77,6 +80,7 @@ def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, i
     rec = {"path": label, "first_call_s": round(first_s, 2)}
     rec.update(speed(fn, kw, iters=iters))
     rec["memory_added_gb"] = round(memory_gb() - base_gb, 3)
+    rec["host_gb"] = round(host_gb(), 2)
     rec["rel_err"] = rel_err(out, ref) if ref is not None else 0.0
     rec["nan"] = bool(torch.isnan(out).any())
     if hasattr(fn, "report"):
@@ -123,7 +127,14 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["bf16"],
-        choices=["bf16", "fp8", "torchao", "lora", "pipeline", "saveload", "profile", "timeline"],
+        choices=["bf16", "fp8", "torchao", "lora", "fp8_lora", "pipeline", "saveload", "profile", "timeline"],
+    )
+    ap.add_argument(
+        "--fp8-masters",
+        nargs="+",
+        default=["device"],
+        choices=["device", "host"],
+        help="the fp8 part's fp8_masters settings, one record each (fp8_lora: a LoRA switch on each)",
     )
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
@@ -232,13 +243,19 @@ def main() -> None:
     if "pipeline" in result:
         for v in result["pipeline"].values():
             v.pop("latents", None)
-    if "fp8" in args.parts:
+    for masters in args.fp8_masters if "fp8" in args.parts else ():
         compiled = None
         free()
         m, base_gb = model_copy(model)
-        ours = compile_transformer(m, config="flux-1024-fp8", **overrides)
-        records.append(record("compile_transformer[flux-1024-fp8]", ours, kw, ref_out, base_gb, args.iters))
+        label = "compile_transformer[flux-1024-fp8]" + (
+            "" if masters == "device" else f" fp8_masters={masters}"
+        )
+        ours = compile_transformer(m, config="flux-1024-fp8", fp8_masters=masters, **overrides)
+        records.append(record(label, ours, kw, ref_out, base_gb, args.iters))
         save()
+        if "fp8_lora" in args.parts:
+            result[f"lora_fp8_{masters}"] = lora_switch(ours, m, kw)
+            save()
         if "timeline" in args.parts:
             result["timeline_fp8"] = step_timeline(ours, kw)
             summary = {k: v for k, v in result["timeline_fp8"].items() if k != "gaps"}

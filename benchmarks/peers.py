@@ -18,7 +18,8 @@ ms/step and the error against bf16 eager. Parts (each path appended in this orde
          on the block linears that ``precision: fp8`` quantises, then the blocks compiled); the
          ``prx-1024-fp8`` preset (``fp8_attention: auto``: our FP8 attention in each tiling and the
          bf16 kernels measured, the fastest runs); with ``--ablations`` also the preset with
-         ``fp8_attention: true`` and with ``false``
+         ``fp8_attention: true`` and with ``false``; with ``--fp8-masters host`` also the preset
+         with its exact weights in pinned host memory (device memory in ``extra``)
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for (``profile`` alone: eager's rows only, and
@@ -101,7 +102,7 @@ def checked_first(factory):
     return make
 
 
-def paths(parts: list[str], ablations: bool, pixel: bool = False) -> dict:
+def paths(parts: list[str], ablations: bool, pixel: bool = False, masters: tuple[str, ...] = ()) -> dict:
     out: dict = {"eager": lambda m: m}
     bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else (None, "prx-1024-fp8")
     if "bf16" in parts:
@@ -116,6 +117,8 @@ def paths(parts: list[str], ablations: bool, pixel: bool = False) -> dict:
     if "fp8" in parts:
         out["torch.compile regional+torchao"] = regional_torchao
         out[f"compile_prx[{fp8}]"] = compile_path(fp8)
+        for where in masters:
+            out[f"compile_prx[{fp8}, fp8_masters: {where}]"] = compile_path(fp8, fp8_masters=where)
         if ablations:
             out[f"compile_prx[{fp8}, fp8_attention: true]"] = compile_path(fp8, fp8_attention=True)
             out[f"compile_prx[{fp8}, fp8_attention: false]"] = compile_path(fp8, fp8_attention=False)
@@ -136,11 +139,25 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, default=3, choices=[1, 2, 3])
     ap.add_argument("--ablations", action="store_true", help="also the rows of 0.15's levers (see below)")
     ap.add_argument("--model", choices=["prx", "pixel"], default="prx")
+    ap.add_argument(
+        "--fp8-masters", nargs="*", default=[], choices=["host"], help="fp8: also the preset with these"
+    )
+    ap.add_argument(
+        "--reference-fp32",
+        action="store_true",
+        help="also each output's error against an fp32 copy of the model (extra.rel_err_fp32)",
+    )
     args = ap.parse_args()
     pixel = args.model == "pixel"
     model = pixel_model() if pixel else make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
     shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
-    res = run_bench(shapes, paths(args.parts, args.ablations, pixel), model=model, out_json=args.out)
+    res = run_bench(
+        shapes,
+        paths(args.parts, args.ablations, pixel, tuple(args.fp8_masters)),
+        model=model,
+        out_json=args.out,
+        reference_fp32=args.reference_fp32,
+    )
     res["model"] = args.model
     res["parts"] = args.parts
     print(table(res), flush=True)

@@ -209,6 +209,37 @@ def test_config_and_cache_key():
         CompileConfig(fp8_mlp="yes")
 
 
+def test_fp8_masters_is_checked_and_is_no_engine_setting():
+    cfg = CompileConfig.resolve("prx-1024-fp8")
+    assert cfg.fp8_masters == "device"
+    assert cfg.replace(fp8_masters="host").engine_settings() == cfg.engine_settings()  # one cache entry
+    with pytest.raises(ConfigError, match="fp8_masters='host' needs precision=fp8"):
+        CompileConfig(fp8_masters="host")
+    with pytest.raises(ConfigError, match="fp8_masters"):
+        CompileConfig(precision="fp8", fp8_masters="disk")
+
+
+def test_quantize_weight_computes_where_it_is_told():
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    q, s = fp8.quantize_weight(w, torch.device("cpu"))
+    q2, s2 = fp8.quantize_weight(w)
+    assert q.device.type == "cpu" and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(s, s2) and s.shape == (32,)
+
+
+def test_host_masters_on_a_cpu_model_change_nothing():
+    """On a CPU the masters are on the host already: fp8_masters: host runs the same numbers (the GPU
+    test, tests/gpu/test_fp8.py, checks that they move and that every promise holds)."""
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    fixed = dict(backend="eager", precision="fp8", fp8_attention=False, **RANGE)
+    ref = compile_prx(make_prx(), **fixed)
+    ct = compile_prx(model, fp8_masters="host", **fixed)
+    assert fp8.place_masters(model, "host") == 0
+    out = ct(**kw, return_dict=False)[0]
+    torch.testing.assert_close(out, ref(**kw, return_dict=False)[0], rtol=0, atol=0)
+
+
 def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):
     from ._cli import run_cli as run
 
@@ -219,6 +250,8 @@ def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):
     assert r.returncode == 0 and "precision fp8" in r.stdout, r.stdout + r.stderr
     r = run("build", "--tiny", "--precision", "fp8", "--weights", "engine", "--out", str(tmp_path / "b"))
     assert r.returncode == 2 and "precision=fp8 needs weights=inputs" in r.stderr.strip().splitlines()[-1]
+    r = run("build", "--tiny", "--fp8-masters", "host", "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "needs precision=fp8" in r.stderr.strip().splitlines()[-1]
 
 
 def test_refused_configs_leave_the_model_alone_and_fp8_is_not_silently_dropped():

@@ -13,9 +13,12 @@ transformer's parameters in place: with ``weights: inputs`` (the default) the co
 those very tensors, so nothing else happens; with ``weights: engine`` only the engine weights that
 changed are refit. Bad input raises ``LoRAError`` before anything changes.
 
-The exact originals of the changed weights are kept beside them (on their device) while a LoRA is
-loaded; ``unload_lora`` frees them. Saved artifacts hold the original weights plus the adapters,
-and a loaded artifact has the same adapters active, so ``unload_lora`` after a reload is exact too.
+The exact originals of the changed weights are kept beside them (on their device; pinned on the host
+for FP8 masters kept there, ``fp8_masters: host``) while a LoRA is loaded; ``unload_lora`` frees them.
+The adapters' matrices live, and are merged, where the layer computes (``_compute_device``: beside an
+FP8 copy, so a host master's merge runs on the GPU). Saved artifacts hold the original weights plus
+the adapters, and a loaded artifact has the same adapters active, so ``unload_lora`` after a reload is
+exact too.
 
 Semantics, as PEFT's (an adapter lives beside its base layer): a LoRA stays applied over whatever base
 weights are loaded. Any write to a weight a LoRA changed that is not the LoRA's own (``load_state_dict``,
@@ -101,6 +104,22 @@ class LoRAState:
     written: dict[str, tuple] = field(default_factory=dict)
 
 
+def _compute_device(linear: torch.nn.Module) -> torch.device:
+    """Where a layer's LoRA lives and is merged: beside its FP8 copy where it has one (its exact
+    weight may be kept on the host, ``fp8_masters: host``), else beside its weight."""
+    q = getattr(linear, "weight_fp8", None)
+    return q.device if isinstance(q, torch.Tensor) else linear.weight.device
+
+
+def _kept(p: torch.Tensor) -> torch.Tensor:
+    """An exact copy of ``p`` to keep as a base value: pinned where ``p`` is (a host master, copied to
+    the device at each merge)."""
+    p = p.detach()
+    if p.device.type == "cpu" and p.is_pinned():
+        return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p)
+    return p.clone()
+
+
 def _print(p: torch.Tensor) -> tuple:
     """What tells a write apart: the object, its storage, its version counter, dtype and device."""
     return (id(p), p.data_ptr(), p._version, p.dtype, p.device)
@@ -142,8 +161,10 @@ class LoRAKeeper:
             if (p.dtype, p.device) != (base.dtype, base.device):  # a cast or a move: the base follows
                 state.originals[fqn] = base.to(p.device, p.dtype)
                 rebased.add(fqn)
-            elif not torch.equal(p, _weights_for(self.transformer, state, state.active, {fqn})[fqn]):
-                state.originals[fqn] = p.detach().clone()  # a new base value
+            elif not torch.equal(
+                p, _weights_for(self.transformer, state, state.active, {fqn})[fqn].to(p.device)
+            ):
+                state.originals[fqn] = _kept(p)  # a new base value
                 rebased.add(fqn)
         if gone:
             raise LoRAError(
@@ -360,7 +381,7 @@ def parse_lora(
             scale = _layer_scale(alphas[mod], rank, f"LoRA {name!r}: layer {mod}")
         else:
             scale = default_scale if default_scale is not None else 1.0
-        dev = lin.weight.device
+        dev = _compute_device(lin)
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
     if not layers:
         raise LoRAError(
@@ -414,21 +435,26 @@ def _state(transformer: torch.nn.Module) -> LoRAState:
 def _weights_for(
     transformer, state: LoRAState, active: dict[str, float], touched: set[str]
 ) -> dict[str, torch.Tensor]:
-    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified).
-    A LoRAError naming the layer when a fused weight is not finite in the weight's dtype (an fp16
-    weight overflows at 65504)."""
+    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified),
+    each on its layer's ``_compute_device``. A LoRAError naming the layer when a fused weight is not
+    finite in the weight's dtype (an fp16 weight overflows at 65504)."""
     params = dict(transformer.named_parameters())
+    modules = dict(transformer.named_modules())
     out = {}
     for fqn in sorted(touched):
-        w0 = state.originals.get(fqn, params[fqn].detach())
         mod = fqn.rsplit(".", 1)[0]
+        kept = state.originals.get(fqn, params[fqn].detach())
+        w0 = kept.to(_compute_device(modules[mod]), non_blocking=True)  # a host master: to the GPU
         acc = None
         for name in sorted(active):
             layer = state.adapters[name].layers.get(mod)
             if layer is not None and active[name] != 0.0:
                 d = layer.delta() * active[name]
                 acc = d if acc is None else acc + d
-        out[fqn] = w0.clone() if acc is None else (w0.float() + acc).to(w0.dtype)
+        if acc is None:
+            out[fqn] = w0.clone() if w0 is kept else w0
+        else:
+            out[fqn] = (w0.float() + acc).to(w0.dtype)
         if acc is not None and not bool(torch.isfinite(out[fqn]).all()):
             names = [n for n in sorted(active) if mod in state.adapters[n].layers and active[n] != 0.0]
             raise LoRAError(
@@ -446,10 +472,9 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
     touched = wanted | state.fused
     for fqn in touched:
         if fqn not in state.originals:
-            state.originals[fqn] = params[fqn].detach().clone()
+            state.originals[fqn] = _kept(params[fqn])
     new = _weights_for(transformer, state, active, touched)
-    refit = compiled is not None and (compiled.needs_refit or fp8.fp8_modules(transformer) > 0)
-    previous = {fqn: params[fqn].detach().clone() for fqn in touched} if refit else None
+    before = dict(state.active)  # what the weights hold now: recomputed exactly for a roll-back
     with torch.no_grad():
         for fqn, w in new.items():
             params[fqn].copy_(w)
@@ -460,11 +485,10 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         try:
             report["refit"] = compiled.weights_changed(sorted(touched))
         except Exception:
-            if previous is not None:
-                with torch.no_grad():
-                    for fqn, w in previous.items():
-                        params[fqn].copy_(w)
-                compiled.weights_changed(sorted(touched))
+            with torch.no_grad():
+                for fqn, w in _weights_for(transformer, state, before, touched).items():
+                    params[fqn].copy_(w)
+            compiled.weights_changed(sorted(touched))
             _record(transformer, state)
             raise
     state.active = dict(active)
@@ -646,7 +670,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
             )
             if not ok:
                 raise LoRAError(f"adapter {name!r}: layer {mod} matrices do not fit or are not finite.")
-            dev = lin.weight.device
+            dev = _compute_device(lin)
             layers[mod] = LoRALayer(down.to(dev), up.to(dev), float(scale))
         adapters[name] = Adapter(name, layers, [], data["source"])
     state = _state(transformer)

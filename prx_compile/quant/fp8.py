@@ -1,6 +1,7 @@
 """``precision: fp8``: the transformer blocks' linears as FP8 GEMMs.
 
     install(transformer, spec.block_linears)   # block linears -> FP8Linear, in place (as torchao's quantize_)
+    place_masters(transformer, "host")         # their exact weights to pinned CPU memory (fp8_masters)
     requantize(transformer, names)           # after those weights changed in place
 
 Each targeted ``nn.Linear`` (the model's spec names them: ``ModelSpec.block_linears``, its blocks'
@@ -13,6 +14,11 @@ Embedders, modulation and the final layer stay in the model's dtype.
 
 The buffers are engine inputs like every weight (``weights: inputs``), so re-quantising writes into
 them in place: CUDA graphs and engines stay valid, nothing is rebuilt.
+
+The step never reads ``weight`` (the master), so it may live elsewhere (``fp8_masters: host``):
+``place_masters`` moves it into pinned CPU memory (the same ``Parameter`` object, its ``.data``
+replaced), and re-quantising copies it to the buffers' device first. Then the block linears take
+their FP8 bytes on the device, not those plus their bf16 ones.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import torch
 from ..ops.kernels import FP8_MAX
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``."""
-    w = weight.detach().float()
+def quantize_weight(
+    weight: torch.Tensor, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``, computed on
+    ``device`` (None: the weight's)."""
+    w = weight.detach().to(device if device is not None else weight.device, non_blocking=True).float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
@@ -57,7 +66,7 @@ class FP8Linear(torch.nn.Linear):
         """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight``, in place (engines and CUDA graphs
         keep reading the same buffers); as new buffers when the module was cast or reshaped, which
         rebuilds its engine sets anyway."""
-        q, scale = quantize_weight(self.weight)
+        q, scale = quantize_weight(self.weight, self.weight_fp8.device)
         same = all(
             b.dtype == v.dtype and b.shape == v.shape and b.device == v.device
             for b, v in ((self.weight_fp8, q), (self.weight_scale, scale))
@@ -100,6 +109,32 @@ def install(transformer: torch.nn.Module, targets: re.Pattern) -> int:
         parent._modules[attr] = FP8Linear.from_linear(module)  # ModuleList/Sequential index or attribute
         count += 1
     return count
+
+
+def place_masters(transformer: torch.nn.Module, where: str) -> int:
+    """Keep the ``FP8Linear`` masters (``weight``) where ``fp8_masters`` says: "host", pinned CPU
+    memory (when their FP8 copies are on a GPU); "device", beside the FP8 copies. Each moved weight
+    stays the same ``Parameter`` (``.data`` replaced), so a LoRA's or a user's references hold. Returns
+    how many were moved."""
+    moved = 0
+    for module in transformer.modules():
+        if not isinstance(module, FP8Linear):
+            continue
+        weight, device = module.weight, module.weight_fp8.device
+        if where == "host" and device.type != "cpu" and weight.device.type != "cpu":
+            data = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+            data.copy_(weight.detach())
+        elif where == "device" and weight.device != device:
+            data = weight.detach().to(device)
+        else:
+            continue
+        with torch.no_grad():
+            weight.data = data
+        module.quantized_version = weight._version  # the values are the ones quantised
+        moved += 1
+    if moved and where == "host" and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the masters' device blocks go back to the driver (and TensorRT)
+    return moved
 
 
 def requantize(transformer: torch.nn.Module, weight_names: list[str] | set[str]) -> int:

@@ -16,6 +16,8 @@ a submodule swapped for one of the same structure   re-bound (``weights: inputs`
 a new structure (names, shapes, dtypes, types)      every engine set rebuilt at its next call, with
                                                     a warning
 weights moved to another device                     refused, in one line
+an FP8 linear's master moved (``fp8_masters:        moved back to where ``fp8_masters`` keeps it,
+host``: ``compiled.transformer.to("cuda")``)        its FP8 copy re-quantised
 ==================================================  ============================================
 
 Keepers register here: objects that derive weights from other weights (a loaded LoRA; FP8 copies)
@@ -149,6 +151,7 @@ class ChangeFollower:
         plan = sets.plan
         if plan.config.precision == "fp8":  # a swapped block linear becomes FP8 again; a cast one too
             fp8.install(model, plan.spec.block_linears)
+            fp8.place_masters(model, plan.config.fp8_masters)  # a moved master goes back (fp8_masters)
             self.fp8 = FP8Keeper(self._fp8_modules())
             for module in self.fp8.modules:
                 module.requantize()

@@ -512,6 +512,7 @@ def _install_precision(transformer: torch.nn.Module, plan: Plan) -> None:
         )
     if not fp8.install(transformer, spec.block_linears):
         raise ConfigError("precision=fp8: no block linear of this transformer can run in FP8.")
+    fp8.place_masters(transformer, config.fp8_masters)
 
 
 def assemble(

@@ -243,11 +243,15 @@ def run_bench(
     out_png: str | Path | None = None,
     progress: bool = True,
     first_case_only: tuple[str, ...] = ("plain_mttm",),
+    reference_fp32: bool = False,
 ) -> dict[str, Any]:
     """Time every path on every case in this process, on ``model``'s weights and the same inputs.
 
     paths: names from ``PATHS``, or {label: factory}. Each path is built on the first case.
     first_case_only: paths timed on the first case only (plain MTTM rebuilds for every new shape).
+    reference_fp32: also hold every output to an fp32 copy of ``model`` run eagerly on the same
+        inputs (``extra["rel_err_fp32"]``; eager's own is the floor a ``dtype`` path can reach
+        against eager).
 
     Returns {"env": ..., "records": [Record as dict]}, also written to ``out_json`` after every record
     (so a run cut short keeps what it measured). A path that fails gets a record with
@@ -266,6 +270,18 @@ def run_bench(
         kw = case.inputs(model, dtype, device)
         with torch.no_grad():
             refs[case.label()] = (kw, model(**kw, return_dict=False)[0].float())
+    refs32 = {}
+    if reference_fp32:
+        full = copy.deepcopy(model).float()
+        for label, (kw, _) in refs.items():
+            kw32 = {
+                k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()
+            }
+            with torch.no_grad():
+                refs32[label] = full(**kw32, return_dict=False)[0].float()
+        del full
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
     def save():
         if out_json:
@@ -274,7 +290,10 @@ def run_bench(
             )
 
     for label, factory in paths.items():
-        fn = None
+        fn = step = out = served = None  # each holds the previous path's module
+        gc.collect()  # the previous path's module (its reference cycles too): not counted as this one's
+        if device == "cuda":
+            torch.cuda.empty_cache()
         for i, case in enumerate(cases):
             if i > 0 and label in first_case_only:
                 break
@@ -308,6 +327,8 @@ def run_bench(
                 rec.rel_err = rel_err(out, ref)
                 rec.extra["max_abs_err"] = max_abs_err(out, ref)
                 rec.extra["nan"] = bool(torch.isnan(out).any())
+                if refs32:
+                    rec.extra["rel_err_fp32"] = rel_err(out, refs32[case.label()])
 
                 def step(fn=fn, kw=kw):
                     with torch.no_grad():
@@ -333,6 +354,7 @@ def run_bench(
                     rec.peak_mem_gb = torch.cuda.max_memory_allocated() / 2**30
                     free, total = torch.cuda.mem_get_info()
                     rec.extra["device_mem_in_use_gb"] = (total - free) / 2**30
+                    rec.extra["allocated_gb"] = torch.cuda.memory_allocated() / 2**30  # what tensors hold
             except Exception as e:
                 logger.debug("bench path %s failed on %s", label, case.label(), exc_info=True)
                 rec.extra["error"] = f"{type(e).__name__}: {e}"[:500]

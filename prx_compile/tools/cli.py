@@ -111,6 +111,8 @@ def _config(args, backend: str, device: str | None = None):
         overrides["weights"] = args.weights
     if getattr(args, "precision", None):
         overrides["precision"] = args.precision
+    if getattr(args, "fp8_masters", None):
+        overrides["fp8_masters"] = args.fp8_masters
     tiny = not getattr(args, "checkpoint", None) and not getattr(args, "random_full", False)
     base = args.config if args.config is not None else (TINY[args.model] if tiny else None)
     return CompileConfig.resolve(base, **overrides)
@@ -802,6 +804,11 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--weights", choices=["inputs", "engine"], help="override the config's weights mode")
         sp.add_argument(
             "--precision", choices=["dtype", "fp8"], help="override the config's precision (fp8: FP8 GEMMs)"
+        )
+        sp.add_argument(
+            "--fp8-masters",
+            choices=["device", "host"],
+            help="with fp8: where the exact bf16 weights wait (host: pinned CPU memory, less GPU memory)",
         )
 
     b = sub.add_parser("build", help="compile and write an artifact", formatter_class=fmt)

@@ -1,10 +1,12 @@
 """precision: fp8 on the GPU: the Triton quantisers against the torch ones, the FP8 GEMM and MLP ops, and
 compile_prx (TensorRT) with fp8 against the fp8 and bf16 eager models, under the text mask, with a LoRA."""
 
+import copy
+
 import pytest
 import torch
 
-from prx_compile import compile_prx, load_lora, set_lora, unload_lora
+from prx_compile import compile_prx, load_compiled, load_lora, save_compiled, set_lora, unload_lora
 from prx_compile.lora import make_random_lora
 from prx_compile.ops.kernels import (
     gelu_mul_quant_fp8,
@@ -108,3 +110,57 @@ def test_compiled_fp8_matches_eager_under_the_mask_with_a_lora():
     assert torch.equal(ct(**kw, return_dict=False)[0], out_a)
     unload_lora(ct)
     assert torch.equal(ct(**kw, return_dict=False)[0], base)
+
+
+def _masters(model):
+    return [m for m in model.modules() if isinstance(m, fp8.FP8Linear)]
+
+
+def test_host_masters_free_the_device_and_keep_every_promise(tmp_path):
+    """fp8_masters: host against the default on a twin: the masters in pinned CPU memory, their
+    bytes off the device, the same numbers through a LoRA switch, a weight load, a move and save/load."""
+    model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    twin = copy.deepcopy(model)
+    pinned = dict(fp8_attention=False, attention_kernel="split", static=True, specialize=[[512, 512, 2]])
+    on_device = compile_prx(twin, precision="fp8", **pinned, **RANGE)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ct = compile_prx(model, precision="fp8", fp8_masters="host", **pinned, **RANGE)
+    mods = _masters(model)
+    assert mods and all(m.weight.device.type == "cpu" and m.weight.is_pinned() for m in mods)
+    assert all(m.weight_fp8.is_cuda and (m.bias is None or m.bias.is_cuda) for m in mods)
+    bf16_bytes = sum(m.weight.numel() * 2 for m in mods)
+    assert torch.cuda.memory_allocated() <= before - 0.45 * bf16_bytes  # bf16 freed, e4m3 (half) added
+    kw = inputs(model)
+
+    def both():
+        return ct(**kw, return_dict=False)[0].clone(), on_device(**kw, return_dict=False)[0].clone()
+
+    out, ref = both()
+    assert torch.equal(out, ref)
+    for compiled, m in ((ct, model), (on_device, twin)):
+        load_lora(compiled, make_random_lora(m, 16, seed=1, std=0.1), "a")
+        load_lora(compiled, make_random_lora(m, 16, seed=2, std=0.1), "b", scale=0.0)
+    with_a, ref_a = both()
+    assert torch.equal(with_a, ref_a) and rel_err(with_a, out) > 1e-2
+    for compiled in (ct, on_device):
+        set_lora(compiled, "b")
+        set_lora(compiled, "a")
+    assert torch.equal(both()[0], with_a)
+    assert all(m.weight.device.type == "cpu" for m in mods)  # the LoRA merged on the host
+    other = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda", seed=5).state_dict()
+    model.load_state_dict(other)  # new base weights under the LoRA, then unloaded
+    twin.load_state_dict(other)
+    for compiled in (ct, on_device):
+        unload_lora(compiled)
+    new, ref_new = both()
+    assert torch.equal(new, ref_new) and rel_err(new, out) > 1e-2
+    model.to("cuda")  # the masters were moved to the device by hand: back to the host at the next call
+    assert mods[0].weight.is_cuda
+    assert torch.equal(ct(**kw, return_dict=False)[0], new)
+    assert all(m.weight.device.type == "cpu" for m in _masters(model))
+    save_compiled(ct, tmp_path / "a")
+    loaded = load_compiled(tmp_path / "a")
+    assert loaded.compile_config.fp8_masters == "host"
+    assert all(m.weight.device.type == "cpu" for m in _masters(loaded.transformer))
+    assert torch.equal(loaded(**kw, return_dict=False)[0], new)
