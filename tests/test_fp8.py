@@ -2,6 +2,7 @@
 eager, LoRA re-quantisation (exact switches), artifacts, config and cache keys."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -238,6 +239,28 @@ def test_host_masters_on_a_cpu_model_change_nothing():
     assert fp8.place_masters(model, "host") == 0
     out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, ref(**kw, return_dict=False)[0], rtol=0, atol=0)
+
+
+def test_host_memory_that_cannot_be_pinned_is_refused_in_one_line(monkeypatch):
+    """FP8 copies on another device (meta stands in for a GPU here) and a host that cannot pin: one
+    ConfigError naming the size and fp8_masters: device, and no master left half moved."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 32, device="meta"), torch.nn.Linear(32, 64, device="meta")
+    )
+    assert fp8.install(model, re.compile(r"\d+$")) == 2
+    before = [m.weight for m in model]
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory\nmore")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(ConfigError, match=r"could not pin 0\.0 GB .*out of memory\)") as e:
+        fp8.place_masters(model, "host")
+    assert "fp8_masters: device" in str(e.value) and "\n" not in str(e.value).split(". ")[0]
+    assert all(m.weight is w and m.weight.device.type == "meta" for m, w in zip(model, before, strict=True))
 
 
 def test_cli_builds_inspects_and_generates_with_fp8(tmp_path):

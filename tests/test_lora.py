@@ -283,6 +283,27 @@ def test_pipeline_helper():
     unload_lora(pipe)
 
 
+def test_originals_that_cannot_be_pinned_are_a_lora_error_that_changes_nothing(monkeypatch):
+    """Host masters (fp8_masters: host) keep a LoRA's originals pinned; a host that cannot pin them
+    refuses the LoRA in one line, the weights as they were (pinning is faked on this CPU)."""
+    model = make_prx()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(LoRAError, match=r"could not pin \d+ MB .*fp8_masters: device; nothing was changed"):
+        load_lora(model, make_random_lora(model, 4, seed=1, std=0.1), "a")
+    monkeypatch.undo()
+    assert summary(model) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_failing_refit_rolls_the_weights_back(monkeypatch):
     """With weights baked into engines a refit can fail: the parameters then return to their values."""
     model = make_prx()

@@ -115,9 +115,17 @@ def _kept(p: torch.Tensor) -> torch.Tensor:
     """An exact copy of ``p`` to keep as a base value: pinned where ``p`` is (a host master, copied to
     the device at each merge)."""
     p = p.detach()
-    if p.device.type == "cpu" and p.is_pinned():
-        return torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p)
-    return p.clone()
+    if not (p.device.type == "cpu" and p.is_pinned()):
+        return p.clone()
+    try:
+        kept = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+    except RuntimeError as e:
+        why = str(e).splitlines()[0][:120].rstrip(".")
+        raise LoRAError(
+            f"could not pin {p.nbytes / 2**20:.0f} MB of host memory for a LoRA's exact originals ({why}).",
+            "free host memory, or compile with fp8_masters: device; nothing was changed.",
+        ) from e
+    return kept.copy_(p)
 
 
 def _print(p: torch.Tensor) -> tuple:

@@ -27,6 +27,7 @@ import re
 
 import torch
 
+from ..errors import ConfigError
 from ..ops.kernels import FP8_MAX
 
 
@@ -115,14 +116,25 @@ def place_masters(transformer: torch.nn.Module, where: str) -> int:
     """Keep the ``FP8Linear`` masters (``weight``) where ``fp8_masters`` says: "host", pinned CPU
     memory (when their FP8 copies are on a GPU); "device", beside the FP8 copies. Each moved weight
     stays the same ``Parameter`` (``.data`` replaced), so a LoRA's or a user's references hold. Returns
-    how many were moved."""
+    how many were moved. Host memory that cannot be pinned is a ConfigError, every master back on the
+    device."""
     moved = 0
     for module in transformer.modules():
         if not isinstance(module, FP8Linear):
             continue
         weight, device = module.weight, module.weight_fp8.device
         if where == "host" and device.type != "cpu" and weight.device.type != "cpu":
-            data = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+            try:
+                data = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
+            except RuntimeError as e:
+                place_masters(transformer, "device")
+                wanted = sum(m.weight.nbytes for m in transformer.modules() if isinstance(m, FP8Linear))
+                why = str(e).splitlines()[0][:120].rstrip(".")
+                raise ConfigError(
+                    f"fp8_masters: host could not pin {wanted / 2**30:.1f} GB of host memory for the FP8 "
+                    f"linears' exact weights ({why}).",
+                    "free host memory, or use fp8_masters: device (they stay on the GPU).",
+                ) from e
             data.copy_(weight.detach())
         elif where == "device" and weight.device != device:
             data = weight.detach().to(device)
