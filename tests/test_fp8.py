@@ -312,7 +312,17 @@ def fp8_artifact(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("bad", [{"precision": 7}, {"precision": "int4"}, {"weights": "engine"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"precision": 7},
+        {"precision": "int4"},
+        {"weights": "engine"},
+        {"fp8_masters": "disk"},
+        {"fp8_masters": ["host"]},
+        {"precision": "dtype", "fp8_masters": "host"},
+    ],
+)
 def test_an_edited_precision_in_a_manifest_is_an_artifact_error(fp8_artifact, tmp_path, bad):
     import json
     import shutil
