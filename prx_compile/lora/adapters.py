@@ -79,9 +79,6 @@ class LoRALayer:
     up: torch.Tensor
     scale: float
 
-    def delta(self) -> torch.Tensor:
-        return (self.up @ self.down) * self.scale
-
 
 @dataclass
 class Adapter:
@@ -440,6 +437,40 @@ def _state(transformer: torch.nn.Module) -> LoRAState:
     return state
 
 
+def _terms(state: LoRAState, active: dict[str, float], mod: str) -> list[tuple[LoRALayer, float]]:
+    """Layer ``mod``'s updates under the ``active`` adapters: (layer, adapter scale), by name."""
+    return [
+        (state.adapters[n].layers[mod], active[n])
+        for n in sorted(active)
+        if active[n] != 0.0 and mod in state.adapters[n].layers
+    ]
+
+
+def _fuse(w0: torch.Tensor, terms: list[tuple[LoRALayer, float]], out: torch.Tensor) -> torch.Tensor:
+    """``out`` (N, K) <- ``w0`` (N, K) + the sum over ``terms`` of up (N, r) @ down (r, K) * the
+    layer's scale * the adapter's, in fp32 and rounded once to ``out``'s dtype: PEFT's merge into a
+    bf16 weight, bit for bit. No fp32 copy of the weight is made; a scale of 1 is not multiplied by."""
+    if not terms:
+        return out.copy_(w0)
+    acc = None
+    for layer, s in terms:
+        d = layer.up @ layer.down
+        for k in (layer.scale, s):
+            if k != 1.0:  # x * 1.0 == x: skipped, not rounded differently
+                d.mul_(k)
+        acc = d if acc is None else acc.add_(d)
+    return torch.add(w0, acc, out=out)
+
+
+def _not_finite(state: LoRAState, active: dict[str, float], mod: str, dtype: torch.dtype) -> LoRAError:
+    names = [n for n, _ in sorted(active.items()) if active[n] != 0.0 and mod in state.adapters[n].layers]
+    return LoRAError(
+        f"LoRA {', '.join(names)}: layer {mod}: the fused weight is not finite in {dtype} "
+        f"(scales {[active[n] for n in names]}).",
+        "lower the scale, or check the LoRA's alpha and matrices; nothing was changed.",
+    )
+
+
 def _weights_for(
     transformer, state: LoRAState, active: dict[str, float], touched: set[str]
 ) -> dict[str, torch.Tensor]:
@@ -451,54 +482,70 @@ def _weights_for(
     out = {}
     for fqn in sorted(touched):
         mod = fqn.rsplit(".", 1)[0]
-        kept = state.originals.get(fqn, params[fqn].detach())
-        w0 = kept.to(_compute_device(modules[mod]), non_blocking=True)  # a host master: to the GPU
-        acc = None
-        for name in sorted(active):
-            layer = state.adapters[name].layers.get(mod)
-            if layer is not None and active[name] != 0.0:
-                d = layer.delta() * active[name]
-                acc = d if acc is None else acc + d
-        if acc is None:
-            out[fqn] = w0.clone() if w0 is kept else w0
-        else:
-            out[fqn] = (w0.float() + acc).to(w0.dtype)
-        if acc is not None and not bool(torch.isfinite(out[fqn]).all()):
-            names = [n for n in sorted(active) if mod in state.adapters[n].layers and active[n] != 0.0]
-            raise LoRAError(
-                f"LoRA {', '.join(names)}: layer {mod}: the fused weight is not finite in {w0.dtype} "
-                f"(scales {[active[n] for n in names]}).",
-                "lower the scale, or check the LoRA's alpha and matrices; nothing was changed.",
-            )
+        w0 = state.originals.get(fqn, params[fqn].detach()).to(_compute_device(modules[mod]))
+        terms = _terms(state, active, mod)
+        out[fqn] = _fuse(w0, terms, torch.empty_like(w0))
+        if terms and not bool(torch.isfinite(out[fqn]).all()):
+            raise _not_finite(state, active, mod, w0.dtype)
     return out
 
 
+def _write(transformer, state: LoRAState, active: dict[str, float], touched: set[str]) -> str | None:
+    """Write every weight in ``touched`` as its original under the ``active`` adapters, and its FP8
+    copy (quantised from the merged value on the device: a host master is written, never read back).
+    Returns the first layer (by name) whose fused weight is not finite, checked with one
+    synchronisation after every write (the caller then writes the previous values back)."""
+    params = dict(transformer.named_parameters())
+    modules = dict(transformer.named_modules())
+    checks: list[tuple[str, torch.Tensor]] = []
+    hosts: set[torch.device] = set()  # devices that copy into host masters
+    with torch.no_grad():
+        for fqn in sorted(touched):
+            mod = fqn.rsplit(".", 1)[0]
+            module, p = modules[mod], params[fqn]
+            device = _compute_device(module)
+            w0 = state.originals[fqn].to(device, non_blocking=True)  # a pinned host original
+            terms = _terms(state, active, mod)
+            value = _fuse(w0, terms, p if p.device == device else torch.empty_like(w0))
+            if value is not p:
+                p.copy_(value, non_blocking=True)  # into a pinned host master
+                hosts.add(device)
+            if terms:
+                checks.append((mod, torch.isfinite(value).all()))
+            if isinstance(module, fp8.FP8Linear):
+                module.requantize(value)
+    finite = torch.stack([ok.to(checks[0][1].device) for _, ok in checks]).tolist() if checks else []
+    for device in hosts:
+        torch.cuda.synchronize(device)  # the copies into the host masters have landed
+    return next((mod for (mod, _), ok in zip(checks, finite, strict=True) if not ok), None)
+
+
 def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) -> dict[str, Any]:
-    """Fuse ``active`` into the weights (from the originals) and refit; roll back if refit fails."""
+    """Fuse ``active`` into the weights (from the originals) and refit; roll back if a fused weight is
+    not finite or the refit fails."""
     params = dict(transformer.named_parameters())
     wanted = {f"{m}.weight" for n in active for m in state.adapters[n].layers}
     touched = wanted | state.fused
     for fqn in touched:
         if fqn not in state.originals:
             state.originals[fqn] = _kept(params[fqn])
-    new = _weights_for(transformer, state, active, touched)
     before = dict(state.active)  # what the weights hold now: recomputed exactly for a roll-back
-    with torch.no_grad():
-        for fqn, w in new.items():
-            params[fqn].copy_(w)
+    bad = _write(transformer, state, active, touched)
     report: dict[str, Any] = {"changed": len(touched)}
-    if compiled is None:  # a compiled module does this in weights_changed
-        fp8.requantize(transformer, touched)
-    if compiled is not None and touched:
-        try:
-            report["refit"] = compiled.weights_changed(sorted(touched))
-        except Exception:
-            with torch.no_grad():
-                for fqn, w in _weights_for(transformer, state, before, touched).items():
-                    params[fqn].copy_(w)
-            compiled.weights_changed(sorted(touched))
-            _record(transformer, state)
-            raise
+    try:
+        if bad is not None:
+            dtype = params[f"{bad}.weight"].dtype
+            _write(transformer, state, before, touched)
+            raise _not_finite(state, active, bad, dtype)
+        if compiled is not None and touched:
+            report["refit"] = compiled.weights_changed(sorted(touched), quantized=touched)
+    except Exception:
+        if bad is None:
+            _write(transformer, state, before, touched)
+        if compiled is not None and touched:
+            compiled.weights_changed(sorted(touched), quantized=touched)
+        _record(transformer, state)
+        raise
     state.active = dict(active)
     state.fused = {f for f in touched if f in wanted}
     _record(transformer, state)

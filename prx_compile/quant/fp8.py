@@ -28,18 +28,17 @@ import re
 import torch
 
 from ..errors import ConfigError
-from ..ops.kernels import FP8_MAX
+from ..ops.kernels import row_quant_fp8
 
 
 def quantize_weight(
     weight: torch.Tensor, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``, computed on
-    ``device`` (None: the weight's)."""
-    w = weight.detach().to(device if device is not None else weight.device, non_blocking=True).float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    ``device`` (None: the weight's) by the activations' row quantisation (``ops.kernels.row_quant_fp8``:
+    one pass per row on a GPU, no fp32 copy of the weight)."""
+    q, scale = row_quant_fp8(weight.detach().to(device if device is not None else weight.device))
+    return q, scale.view(-1)
 
 
 class FP8Linear(torch.nn.Linear):
@@ -63,11 +62,12 @@ class FP8Linear(torch.nn.Linear):
         module.train(linear.training)
         return module
 
-    def requantize(self) -> None:
-        """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight``, in place (engines and CUDA graphs
-        keep reading the same buffers); as new buffers when the module was cast or reshaped, which
-        rebuilds its engine sets anyway."""
-        q, scale = quantize_weight(self.weight, self.weight_fp8.device)
+    def requantize(self, value: torch.Tensor | None = None) -> None:
+        """Refresh ``weight_fp8`` / ``weight_scale`` from ``weight`` (or from ``value``, the weight's
+        current value already on the copies' device: a LoRA's merge, which then need not read a host
+        master back), in place (engines and CUDA graphs keep reading the same buffers); as new buffers
+        when the module was cast or reshaped, which rebuilds its engine sets anyway."""
+        q, scale = quantize_weight(self.weight if value is None else value, self.weight_fp8.device)
         same = all(
             b.dtype == v.dtype and b.shape == v.shape and b.device == v.device
             for b, v in ((self.weight_fp8, q), (self.weight_scale, scale))

@@ -30,6 +30,7 @@ the FP8 keeper is the follower's own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any, Protocol
 
 import torch
@@ -124,10 +125,11 @@ class ChangeFollower:
             self.fp8.sync()
         return report
 
-    def weights_changed(self, names: list[str]) -> dict[str, Any]:
-        """These parameters were changed in place (by a LoRA): their FP8 copies and every built engine
-        set are brought up to date now."""
-        fp8.requantize(self.model, names)
+    def weights_changed(self, names: list[str], quantized: Collection[str] = ()) -> dict[str, Any]:
+        """These parameters were changed in place (by a LoRA): their FP8 copies (but those of
+        ``quantized``, which the caller refreshed) and every built engine set are brought up to date
+        now."""
+        fp8.requantize(self.model, [n for n in names if n not in quantized])
         self.fp8.versions = self.fp8._now()
         total = self.sets.weights_changed(names)
         self.watch.synced(names)

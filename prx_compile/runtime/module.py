@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -407,10 +408,11 @@ class CompiledTransformer(torch.nn.Module):
         """True when weight changes must be pushed into engines (``weights: engine``)."""
         return self.sets.needs_refit
 
-    def weights_changed(self, names: list[str]) -> dict[str, Any]:
+    def weights_changed(self, names: list[str], *, quantized: Collection[str] = ()) -> dict[str, Any]:
         """Bring every built engine set (and, with ``precision: fp8``, the FP8 copies of the
-        weights) up to date after these parameters changed in place (``ChangeFollower``)."""
-        return self.follower.weights_changed(names)
+        weights but those of ``quantized``, already refreshed by the caller) up to date after these
+        parameters changed in place (``ChangeFollower``)."""
+        return self.follower.weights_changed(names, quantized)
 
     def report(self) -> dict[str, Any]:
         """Engine sets (shapes, engines (distinct) and engine calls, PyTorch segments, ops kept in
