@@ -376,9 +376,11 @@ def save_and_load(compiled, kw, ref_out) -> dict:
             "t1 = time.perf_counter()",
             "ct = prx_compile.load_compiled('/tmp/flux.art')",
             "t2 = time.perf_counter()",
-            "kw = {k: v.cuda() for k, v in torch.load('/tmp/flux_inputs.pt').items()}",
-            "out = ct(**kw, return_dict=False)[0]; torch.cuda.synchronize(); t3 = time.perf_counter()",
-            "ref = torch.load('/tmp/flux_ref.pt').cuda().float()",
+            "dev = 'cuda' if torch.cuda.is_available() else 'cpu'",
+            "kw = {k: v.to(dev) for k, v in torch.load('/tmp/flux_inputs.pt').items()}",
+            "out = ct(**kw, return_dict=False)[0]",
+            "torch.cuda.synchronize() if dev == 'cuda' else None; t3 = time.perf_counter()",
+            "ref = torch.load('/tmp/flux_ref.pt').to(dev).float()",
             "err = float((out.float() - ref).norm() / ref.norm())",
             "r = {'imports_s': t1 - t0, 'load_compiled_s': t2 - t1, 'first_step_s': t3 - t2, 'rel_err': err}",
             "print('RESULT', json.dumps(r))",
@@ -388,6 +390,20 @@ def save_and_load(compiled, kw, ref_out) -> dict:
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     out.update(json.loads(line[7:]) if line else {"error": r.stderr[-1500:]})
     log(f"saveload: {out}")
+    # the same again under cProfile: where load_compiled and the first step spend their time
+    profiled = child.replace(
+        "ct = prx_compile.load_compiled('/tmp/flux.art')",
+        "import cProfile, pstats, io; pr = cProfile.Profile(); pr.enable()\n"
+        "ct = prx_compile.load_compiled('/tmp/flux.art')",
+    ).replace(
+        "print('RESULT'",
+        "pr.disable(); s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats('cumulative')"
+        ".print_stats(40); r['profile'] = s.getvalue()[-12000:]\nprint('RESULT'",
+    )
+    r = subprocess.run([sys.executable, "-c", profiled], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    out["profiled"] = json.loads(line[7:]) if line else {"error": r.stderr[-1500:]}
+    log(f"saveload profiled: {str(out['profiled'].get('profile', out['profiled']))[:6000]}")
     return out
 
 
