@@ -39,6 +39,7 @@ import torch
 
 from .. import schema
 from ..errors import ArtifactError
+from . import fast_read
 
 logger = logging.getLogger(__name__)
 
@@ -392,9 +393,11 @@ class Reader:
                 if os.path.exists(proc):
                     with safe_open(proc, framework="pt") as f:
                         metadata = f.metadata() or {}
-                    tensors = load_file(proc, device=str(device))
-                    if torch.device(device).type == "cpu":  # private memory, not a map of the file
-                        tensors = {k: v.clone() for k, v in tensors.items()}
+                    tensors = fast_read.read_to(fd, torch.device(device))  # private memory
+                    if tensors is None:  # a dtype fast_read does not know, or no pinned memory
+                        tensors = load_file(proc, device=str(device))
+                        if torch.device(device).type == "cpu":  # private memory, not a map of the file
+                            tensors = {k: v.clone() for k, v in tensors.items()}
                 else:  # no /proc: parse the bytes
                     data = self.read_bytes(rel)
                     tensors = {k: v.to(device) for k, v in load(data).items()}

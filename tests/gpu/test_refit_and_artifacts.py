@@ -145,3 +145,30 @@ def test_a_new_process_runs_a_loaded_artifact_without_importing_torch_tensorrt(t
     assert run.returncode == 0, run.stderr[-2000:]
     assert "torch_tensorrt imported: False" in run.stdout
     assert torch.equal(torch.load(tmp_path / "out.pt"), want)
+
+
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_fast_read_copies_through_pinned_buffers_as_safetensors_reads(tmp_path, monkeypatch, chunk):
+    """io.fast_read's GPU path: reads in threads into three pinned buffers, reused for chunks across
+    tensor boundaries, each copied on a side stream: the bytes safetensors reads."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from prx_compile.io import fast_read
+
+    monkeypatch.setattr(fast_read, "CHUNK", chunk)
+    monkeypatch.setattr(fast_read, "WORKERS", 3)
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(97 + 31 * i, 63, generator=g).bfloat16() for i in range(12)}
+    tensors["scale"] = torch.tensor(2.0)
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = fast_read.read_to(fd, torch.device("cuda"))
+    finally:
+        os.close(fd)
+    want = load_file(path, device="cuda")
+    assert got.keys() == want.keys()
+    assert all(got[k].is_cuda and torch.equal(got[k], want[k]) for k in want)

@@ -1,0 +1,149 @@
+"""A safetensors file read straight onto a GPU: parallel ``pread``s into pinned buffers, each copied
+to its tensor on a side stream while the next is read.
+
+    tensors = read_to(fd, torch.device("cuda"))   # None: a dtype this reader does not know
+
+safetensors' ``load_file(device="cuda")`` copies tensor by tensor from a memory map through pageable
+memory, one thread: about 3 GB/s, 8 s of a FLUX.1 artifact's 12 s ``load_compiled`` on the H200
+(``flux_v25_bf16_h200.json``). Here ``WORKERS`` threads read ``CHUNK`` bytes each (``os.preadv``
+releases the GIL) while the GPU copies the previous chunks.
+
+The header is checked before anything is allocated: every tensor's bytes match its dtype and shape
+and lie inside the file, so memory is bounded by the file's size. The caller has the file checked by
+safetensors first (``safe_open``) and against its sha256 (``Reader.verify``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import ArtifactError
+
+#: bytes per read and copy, and how many are in flight (pinned host memory: CHUNK * WORKERS)
+CHUNK = 32 << 20
+WORKERS = 8
+#: safetensors' own bound on a header
+MAX_HEADER = 100_000_000
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def layout(fd: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int] | None:
+    """({name: (dtype, shape, begin, end)}, where the data starts) of the safetensors file ``fd``,
+    each tensor's bytes at [start + begin, start + end); None when a dtype is not in ``_DTYPES``. An
+    ArtifactError when the header does not describe the file."""
+    size = os.fstat(fd).st_size
+    n = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else -1
+    if not 0 < n <= min(MAX_HEADER, size - 8):
+        raise ArtifactError(f"a safetensors header of {n} bytes in a file of {size}.")
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ArtifactError(f"a safetensors header that is not JSON ({str(e)[:80]}).") from e
+    start, out = 8 + n, {}
+    for name, e in header.items() if isinstance(header, dict) else ():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES.get(e["dtype"])
+            if dtype is None:
+                return None
+            shape, offsets = e["shape"], e["data_offsets"]
+            if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
+                raise TypeError("shape and data_offsets must be lists")
+            shape = tuple(int(d) for d in shape)
+            begin, end = (int(x) for x in offsets)
+        except (TypeError, KeyError, ValueError) as err:
+            raise ArtifactError(f"safetensors entry {name[:80]!r} is malformed ({err}).") from err
+        if (
+            min(shape, default=0) < 0
+            or not 0 <= begin <= end <= size - start
+            or end - begin != math.prod(shape) * dtype.itemsize
+        ):
+            raise ArtifactError(f"safetensors entry {name[:80]!r}: its bytes do not match its shape.")
+        out[name] = (dtype, shape, begin, end)
+    return out, start
+
+
+def read_to(fd: int, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """Every tensor of the safetensors file ``fd``, on ``device``; None when ``layout`` is None or no
+    host memory could be pinned (the caller reads the file its own way)."""
+    found = layout(fd)
+    if found is None:
+        return None
+    entries, start = found
+    out, chunks = {}, []
+    for name, (dtype, shape, begin, end) in entries.items():
+        out[name] = t = torch.empty(shape, dtype=dtype, device=device)
+        flat = t.view(-1).view(torch.uint8)
+        chunks += [(flat[o : o + CHUNK], start + begin + o) for o in range(0, end - begin, CHUNK)]
+    if not chunks:
+        return out
+    if device.type != "cuda":
+        for dst, offset in chunks:  # a CPU tensor is the buffer itself
+            _pread_into(fd, dst.numpy(), offset)
+        return out
+    try:
+        bufs = [
+            torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(min(WORKERS, len(chunks)))
+        ]
+    except RuntimeError:
+        return None
+    _copy_through(fd, chunks, bufs, device)
+    return out
+
+
+def _copy_through(fd: int, chunks: list, bufs: list[torch.Tensor], device: torch.device) -> None:
+    """Read each chunk into a pinned buffer (a thread per buffer), copy it to its device bytes on a
+    side stream, and read the next chunk into that buffer once its copy has run."""
+    k, stream = len(bufs), torch.cuda.Stream(device)
+    copied: list[torch.cuda.Event | None] = [None] * k  # buffer i may be refilled after this event
+
+    def fill(j: int) -> int:
+        i = j % k
+        if copied[i] is not None:
+            copied[i].synchronize()
+        dst, offset = chunks[j]
+        _pread_into(fd, bufs[i].numpy()[: dst.numel()], offset)
+        return i
+
+    try:
+        with ThreadPoolExecutor(max_workers=k) as pool:
+            pending = [pool.submit(fill, j) for j in range(k)]
+            for j, (dst, _) in enumerate(chunks):
+                i = pending[j].result()
+                with torch.cuda.stream(stream):
+                    dst.copy_(bufs[i][: dst.numel()], non_blocking=True)
+                    copied[i] = stream.record_event()
+                if j + k < len(chunks):
+                    pending.append(pool.submit(fill, j + k))
+    finally:
+        stream.synchronize()
+
+
+def _pread_into(fd: int, buf, offset: int) -> None:
+    """Fill the writable buffer ``buf`` with the file's bytes from ``offset``."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise ArtifactError("a safetensors file ended before its tensors (changed while read?).")
+        got += n
