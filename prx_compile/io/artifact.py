@@ -425,12 +425,11 @@ def open_artifact(
     verify: bool = True,
     digest: str | None = None,
     reads: Callable[[dict[str, Any]], set[str]] | None = None,
-    parsed: Callable[[Reader], None] | None = None,
+    parsed: Callable[[dict[str, Any]], None] | None = None,
 ) -> Reader:
     """A Reader over the artifact at ``path`` (of this ``kind``), its manifest parsed and, with
-    ``verify``, every listed file checked against its size and sha256. ``parsed(reader)`` runs
-    between the two (a loader starts work there that the verification overlaps: imports, reading
-    the weights; it uses nothing it read before this returns).
+    ``verify``, every listed file checked against its size and sha256. ``parsed(manifest)`` runs
+    between the two (a loader starts work there that the verification's I/O can overlap).
 
     ``reader.digest`` is ``"sha256:<hex>"`` of the manifest's bytes; the manifest lists every file's
     size and sha256, so with ``verify`` it pins the whole artifact. With ``digest`` (what the
@@ -469,7 +468,7 @@ def open_artifact(
     reader = Reader(root, manifest)
     reader.digest = found
     if parsed is not None:
-        parsed(reader)
+        parsed(manifest)
     if verify:
         reader.verify()
     return reader

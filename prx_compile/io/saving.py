@@ -21,7 +21,6 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +116,8 @@ def load_compiled(
             again from the saved weights at first use, as with ``rebuild``).
         rebuild: ignore the saved engines and compile again from the saved weights at first use
             (another GPU or TensorRT; or to run nothing but safetensors and JSON from this artifact).
-        verify: check the size and sha256 of every file (parallel, while the weights are read; well
-            under a second for PRX, 4 s for FLUX.1's 24 GB on the H200). Nothing read is used
-            before every file has passed.
+        verify: check the size and sha256 of every file first (parallel; well under a second for
+            PRX, 4-6 s for FLUX.1's 24 GB on the H200).
         digest: ``"sha256:..."`` as ``artifact_digest`` / ``prx-compile inspect`` printed it where the
             artifact was made: an artifact with another digest is refused before anything is parsed.
 
@@ -134,34 +132,24 @@ def load_compiled(
     """
     t0 = time.perf_counter()
     ahead: list[threading.Thread] = []  # the imports, started once the manifest is parsed
-    early: list[tuple[str, Future]] = []  # (device, the weights) read while the files are verified
-
-    def start(reader: artifact.Reader) -> None:
-        ahead.append(_import_ahead(reader.manifest))
-        try:
-            where = _config(reader.manifest, device, backend).device
-        except (ArtifactError, ConfigError):
-            return  # the load says so below
-        if not where.startswith("cuda") or torch.cuda.is_available():
-            early.append((where, pool.submit(reader.read_tensors, WEIGHTS, where)))
-
-    with ThreadPoolExecutor(max_workers=1) as pool:  # left only once the early read has ended
-        reader = artifact.open_artifact(
-            path, kind=KIND, verify=verify, digest=digest, reads=_files_read, parsed=start
+    reader = artifact.open_artifact(
+        path,
+        kind=KIND,
+        verify=verify,
+        digest=digest,
+        reads=_files_read,
+        parsed=lambda manifest: ahead.append(_import_ahead(manifest)),
+    )
+    m = reader.manifest
+    artifact.check_fields(_MANIFEST, m, "manifest")
+    config = _config(m, device, backend)
+    rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ArtifactError(
+            f"the artifact runs on {config.device}, and this machine has no CUDA GPU.",
+            "load it with backend='eager', device='cpu' (its engine sets are then built again).",
         )
-        m = reader.manifest
-        artifact.check_fields(_MANIFEST, m, "manifest")
-        config = _config(m, device, backend)
-        rebuild = rebuild or (backend is not None and backend != m["config"].get("backend"))
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ArtifactError(
-                f"the artifact runs on {config.device}, and this machine has no CUDA GPU.",
-                "load it with backend='eager', device='cpu' (its engine sets are then built again).",
-            )
-        if early and early[0][0] == config.device:
-            weights = early[0][1].result()
-        else:
-            weights = reader.read_tensors(WEIGHTS, config.device)
+    weights = reader.read_tensors(WEIGHTS, config.device)  # while the imports run
     for thread in ahead:  # two threads importing one package race: the load imports nothing before
         thread.join()
     if config.backend == "tensorrt" and not rebuild:
