@@ -18,8 +18,11 @@ same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
   lora      on the bf16 compiled module: a rank-32 LoRA over every block linear, loaded, switched
             A -> B -> A (seconds, and whether A's output comes back bit for bit)
   pipeline  a 28-step FluxPipeline (random tiny text encoders, no VAE decode) with the eager, the
-            compiled and the regional transformer: seconds per image, the final latents' error
-  saveload  save_compiled of the bf16 module, then load_compiled + the first step in a new process
+            compiled and the regional transformer: seconds per image, the final latents' error (the
+            device kit's diffusers has PRX's pipelines only: unpack diffusers' ``pipelines/flux``
+            from its wheel into the kit's ``diffusers/pipelines`` first)
+  saveload  save_compiled of the bf16 module, then load_compiled + the first step in a new process,
+            twice (the second under cProfile)
   profile   one step's kernels by category (CUDA graphs off): ours in bf16 and the regional peer
             (unless only ``fp8`` is asked for), ours in fp8 with ``fp8``, the torchao peer with ``torchao``
   timeline  ours in bf16 (and fp8 with ``fp8``) as it runs, CUDA graphs on: per step the span of its
