@@ -37,7 +37,8 @@ def quantize_weight(
     """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``, computed on
     ``device`` (None: the weight's) by the activations' row quantisation (``ops.kernels.row_quant_fp8``:
     one pass per row on a GPU, no fp32 copy of the weight)."""
-    q, scale = row_quant_fp8(weight.detach().to(device if device is not None else weight.device))
+    w = weight.detach().to(device if device is not None else weight.device, non_blocking=True)
+    q, scale = row_quant_fp8(w)
     return q, scale.view(-1)
 
 
