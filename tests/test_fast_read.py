@@ -47,6 +47,9 @@ def test_every_dtype_and_shape_reads_as_safetensors_does(tmp_path, monkeypatch, 
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k  # bytes
 
 
+_WHOLE = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
 def _file(tmp_path, header: dict, data: bytes = b"\0" * 16, n: int | None = None) -> str:
     raw = json.dumps(header).encode()
     path = tmp_path / "bad.safetensors"
@@ -57,17 +60,28 @@ def _file(tmp_path, header: dict, data: bytes = b"\0" * 16, n: int | None = None
 @pytest.mark.parametrize(
     "header, n, match",
     [
-        ({"x": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, None, "do not match"),  # past end
+        ({"x": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, None, "cover 32 of"),  # past end
         ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, None, "do not match"),  # size
-        ({"x": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "do not match"),
+        ({"x": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "malformed"),
         ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [12, 4]}}, None, "do not match"),
         ({"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}, None, "malformed"),
+        ({"x": {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]}}, None, "malformed"),
+        ({"x": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 16]}}, None, "malformed"),
+        ({"x": {"dtype": "F32", "shape": [2**70], "data_offsets": [0, 16]}}, None, "malformed"),
+        ({"x": {"dtype": "F32", "shape": [1] * 65 + [4], "data_offsets": [0, 16]}}, None, "malformed"),
         ({"x": {"dtype": "F32", "shape": [4]}}, None, "malformed"),
+        ({"x": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}, None, "malformed"),
+        ({"x": [1, 2]}, None, "malformed"),
+        # every entry claiming the whole data: memory would be entries x file size
+        ({f"x{i}": _WHOLE for i in range(3)}, None, "overlap"),
+        ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, None, "overlap or leave gaps"),
+        ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, None, "cover 8 of"),
         ({}, 1 << 40, "header of"),
         ({}, 0, "header of"),
     ],
 )
 def test_a_header_that_lies_is_one_artifact_error_before_anything_is_allocated(tmp_path, header, n, match):
+    """Each as safetensors refuses it; the reader checks again (the file may change after that check)."""
     with pytest.raises(ArtifactError, match=match):
         _read(_file(tmp_path, header, n=n))
 
@@ -90,3 +104,9 @@ def test_a_file_shorter_than_its_header_says_is_an_artifact_error(tmp_path, monk
     monkeypatch.setattr(fast_read.os, "preadv", lambda fd, bufs, offset: 0)
     with pytest.raises(ArtifactError, match="ended before"):
         _read(path)
+
+
+def test_a_device_it_does_not_copy_to_leaves_the_file_to_safetensors(tmp_path):
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.ones(3)}, path)
+    assert _read(path, "meta") is None

@@ -170,6 +170,24 @@ def test_lora_requantises_and_switches_exactly():
     torch.testing.assert_close(ct(**kw, return_dict=False)[0], out0, rtol=0, atol=0)
 
 
+def test_an_edit_made_before_a_lora_switch_is_still_requantised():
+    """copy_ into an FP8 linear the LoRA does not touch, then a LoRA load before the next call: the
+    switch refreshes its own layers and the edited one too."""
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    ct = compile_prx(model, backend="eager", precision="fp8", fp8_attention=False, **RANGE)
+    ct(**kw, return_dict=False)
+    lora = {k: v for k, v in make_random_lora(model, 4, seed=1, std=0.1).items() if ".blocks.0." in k}
+    edited = next(m for n, m in model.named_modules() if ".1." in n and isinstance(m, fp8.FP8Linear))
+    with torch.no_grad():
+        edited.weight.copy_(edited.weight * 1.5)
+    load_lora(ct, lora, "a")
+    ct(**kw, return_dict=False)
+    q, scale = fp8.quantize_weight(edited.weight)
+    assert torch.equal(edited.weight_fp8.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(edited.weight_scale, scale)
+
+
 def test_lora_on_an_fp8_model_without_compiling():
     model = make_prx()
     fp8.install(model, PRX.block_linears)

@@ -328,6 +328,35 @@ def test_a_failing_refit_rolls_the_weights_back(monkeypatch):
     assert len(calls) == 2 and calls[0] == calls[1]  # the restored values were pushed again
 
 
+def test_a_failure_half_way_through_a_merge_rolls_every_weight_back(monkeypatch):
+    """The weights are written layer by layer: out of memory at the third, the two already written
+    go back too, the adapter is not kept, and the module still switches exactly afterwards."""
+    from prx_compile.lora import adapters
+
+    model = make_prx()
+    kw = prx_inputs(model, h=16, w=16)
+    ct = compile_prx(model, backend="eager", **RANGE)
+    base_out = ct(**kw, return_dict=False)[0]
+    load_lora(ct, make_random_lora(model, 4, seed=5, std=0.1), "good", 0.3)
+    before, good_out = weights(model), ct(**kw, return_dict=False)[0]
+    real, calls = adapters._fuse, []
+
+    def fuse(w0, terms, out):
+        calls.append(len(terms))
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(w0, terms, out)
+
+    monkeypatch.setattr(adapters, "_fuse", fuse)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        load_lora(ct, make_random_lora(model, 4, seed=6, std=0.1), "bad")
+    monkeypatch.undo()
+    assert same(weights(model), before) and list(summary(ct)["adapters"]) == ["good"]
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], good_out, rtol=0, atol=0)
+    unload_lora(ct)
+    torch.testing.assert_close(ct(**kw, return_dict=False)[0], base_out, rtol=0, atol=0)
+
+
 def test_fused_weights_are_checked_in_the_weight_dtype():
     """An fp16 weight overflows at 65504: a LoRA finite in fp32 (and accepted by an fp32 model) that
     makes it infinite is refused naming the layer, at load and at a switch, and nothing changes."""

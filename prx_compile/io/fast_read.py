@@ -9,8 +9,9 @@ GIL) while the GPU copies the previous chunks: FLUX.1's 24 GB arrive in 1.6-2.0 
 its ``load_compiled`` takes 6.0-7.2 s instead of 8.6-10.0 (``flux_v25_load_h200.json``). On a CPU the
 tensors are the buffers: private memory, not a map of the file.
 
-The header is checked before anything is allocated: every tensor's bytes match its dtype and shape
-and lie inside the file, so memory is bounded by the file's size. The caller has the file checked by
+The header is checked before anything is allocated, as safetensors checks it: every dimension and
+offset an int, every tensor's bytes matching its dtype and shape, the tensors tiling the data with no
+overlap and no gap, so what is allocated is the file's size. The caller has the file checked by
 safetensors first (``safe_open``) and against its sha256 (``Reader.verify``).
 """
 
@@ -28,7 +29,8 @@ from ..errors import ArtifactError
 #: bytes per read and copy, and how many are in flight (pinned host memory: CHUNK * WORKERS)
 CHUNK = 32 << 20
 WORKERS = 8
-#: safetensors' own bound on a header
+#: safetensors' own bound on a header; the most dimensions a tensor may have
+MAX_DIMS = 64
 MAX_HEADER = 100_000_000
 
 _DTYPES = {
@@ -63,31 +65,39 @@ def layout(fd: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, 
     for name, e in header.items() if isinstance(header, dict) else ():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _DTYPES.get(e["dtype"])
-            if dtype is None:
-                return None
-            shape, offsets = e["shape"], e["data_offsets"]
-            if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2):
-                raise TypeError("shape and data_offsets must be lists")
-            shape = tuple(int(d) for d in shape)
-            begin, end = (int(x) for x in offsets)
-        except (TypeError, KeyError, ValueError) as err:
-            raise ArtifactError(f"safetensors entry {name[:80]!r} is malformed ({err}).") from err
-        if (
-            min(shape, default=0) < 0
-            or not 0 <= begin <= end <= size - start
-            or end - begin != math.prod(shape) * dtype.itemsize
-        ):
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str):
+            raise ArtifactError(f"safetensors entry {name[:80]!r} is malformed.")
+        dtype = _DTYPES.get(e["dtype"])
+        if dtype is None:
+            return None  # safetensors' own reader takes it
+        shape, offsets = e.get("shape"), e.get("data_offsets")
+        if not (_ints(shape, MAX_DIMS) and _ints(offsets, 2) and len(offsets) == 2):
+            raise ArtifactError(f"safetensors entry {name[:80]!r} is malformed.")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * dtype.itemsize:
             raise ArtifactError(f"safetensors entry {name[:80]!r}: its bytes do not match its shape.")
-        out[name] = (dtype, shape, begin, end)
+        out[name] = (dtype, tuple(shape), begin, end)
+    # as safetensors: the tensors tile the data exactly (no overlap, no gap), so what is allocated
+    # is the file's size
+    pos = 0
+    for begin, end in sorted((b, e) for _, _, b, e in out.values()):
+        if begin != pos:
+            raise ArtifactError("safetensors tensors that overlap or leave gaps in the file.")
+        pos = end
+    if pos != size - start:
+        raise ArtifactError(f"safetensors tensors that cover {pos} of the file's {size - start} data bytes.")
     return out, start
+
+
+def _ints(v, most: int) -> bool:
+    """A list of at most ``most`` ints in [0, 2**62)."""
+    return isinstance(v, list) and len(v) <= most and all(type(x) is int and 0 <= x < 1 << 62 for x in v)
 
 
 def read_to(fd: int, device: torch.device) -> dict[str, torch.Tensor] | None:
     """Every tensor of the safetensors file ``fd``, on ``device``; None when ``layout`` is None or no
     host memory could be pinned (the caller reads the file its own way)."""
-    found = layout(fd)
+    found = layout(fd) if device.type in ("cpu", "cuda") else None
     if found is None:
         return None
     entries, start = found
@@ -98,7 +108,7 @@ def read_to(fd: int, device: torch.device) -> dict[str, torch.Tensor] | None:
         chunks += [(flat[o : o + CHUNK], start + begin + o) for o in range(0, end - begin, CHUNK)]
     if not chunks:
         return out
-    if device.type != "cuda":
+    if device.type == "cpu":
         for dst, offset in chunks:  # a CPU tensor is the buffer itself
             _pread_into(fd, dst.numpy(), offset)
         return out
@@ -116,6 +126,7 @@ def _copy_through(fd: int, chunks: list, bufs: list[torch.Tensor], device: torch
     """Read each chunk into a pinned buffer (a thread per buffer), copy it to its device bytes on a
     side stream, and read the next chunk into that buffer once its copy has run."""
     k, stream = len(bufs), torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the tensors' memory is free there first
     copied: list[torch.cuda.Event | None] = [None] * k  # buffer i may be refilled after this event
 
     def fill(j: int) -> int:

@@ -530,18 +530,15 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         if fqn not in state.originals:
             state.originals[fqn] = _kept(params[fqn])
     before = dict(state.active)  # what the weights hold now: recomputed exactly for a roll-back
-    bad = _write(transformer, state, active, touched)
     report: dict[str, Any] = {"changed": len(touched)}
-    try:
+    try:  # a failure anywhere (a weight not finite, out of memory half way, a refit) rolls back
+        bad = _write(transformer, state, active, touched)
         if bad is not None:
-            dtype = params[f"{bad}.weight"].dtype
-            _write(transformer, state, before, touched)
-            raise _not_finite(state, active, bad, dtype)
+            raise _not_finite(state, active, bad, params[f"{bad}.weight"].dtype)
         if compiled is not None and touched:
             report["refit"] = compiled.weights_changed(sorted(touched), quantized=touched)
     except Exception:
-        if bad is None:
-            _write(transformer, state, before, touched)
+        _write(transformer, state, before, touched)
         if compiled is not None and touched:
             compiled.weights_changed(sorted(touched), quantized=touched)
         _record(transformer, state)

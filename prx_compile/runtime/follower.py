@@ -130,7 +130,7 @@ class ChangeFollower:
         ``quantized``, which the caller refreshed) and every built engine set are brought up to date
         now."""
         fp8.requantize(self.model, [n for n in names if n not in quantized])
-        self.fp8.versions = self.fp8._now()
+        self.fp8.sync()  # and any other FP8 linear edited in place since the last call
         total = self.sets.weights_changed(names)
         self.watch.synced(names)
         return total
