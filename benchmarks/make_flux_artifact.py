@@ -25,8 +25,9 @@ overrides = (
 if tiny:
     overrides.update(backend="eager", device="cpu", dtype=None)
 ct = compile_transformer(model, config="flux-1024-bf16", **overrides)
-ct(**kw, return_dict=False)
+out = ct(**kw, return_dict=False)[0]
 t0 = time.perf_counter()
 save_compiled(ct, art)
 torch.save({k: v.cpu() for k, v in kw.items()}, inputs)
+torch.save(out.cpu(), inputs + ".out")  # what the loaded artifact must compute (load_probe.py)
 print(f"saved {art} in {time.perf_counter() - t0:.1f} s")

@@ -172,7 +172,7 @@ def symlinked_dir(p: Path):
 @pytest.mark.parametrize(
     "damage,match",
     [
-        (lambda p: flip_byte(p / WEIGHTS), "does not match its sha256"),
+        (lambda p: flip_byte(p / WEIGHTS), "does not match its crc32"),
         (lambda p: (p / WEIGHTS).write_bytes((p / WEIGHTS).read_bytes()[:100]), "truncated or replaced"),
         (lambda p: (p / WEIGHTS).unlink(), "weights.safetensors is missing"),
         (lambda p: (p / MANIFEST).write_text("{not json"), "not valid JSON"),
@@ -459,7 +459,7 @@ def test_saved_files_take_the_umask_as_open_would(tmp_path, saved):
 
 def test_files_are_hashed_per_chunk(artifact):
     for entry in manifest(artifact)["files"].values():
-        assert len(entry["sha256"]) == max(1, -(-entry["bytes"] // CHUNK))
+        assert len(entry["sha256"]) == len(entry["crc32"]) == max(1, -(-entry["bytes"] // CHUNK))
 
 
 # -- the loader reads and writes nothing outside the artifact -----------------------------------------
@@ -884,3 +884,101 @@ def test_an_artifact_saves_into_a_folder_reached_through_a_link(saved, tmp_path)
     (tmp_path / "art-link").symlink_to(real / "linked.art")
     with pytest.raises(ArtifactError, match="is a symbolic link"):
         save_compiled(ct, tmp_path / "art-link")
+
+
+def test_a_load_reads_each_byte_once_and_checks_it(artifact, monkeypatch):
+    """The weights are hashed as they are read (one pass): the bytes read by a load are the
+    artifact's size, not twice it, and a flipped byte is still found."""
+    from prx_compile.io import artifact as artifact_module
+    from prx_compile.io import fast_read
+
+    read = [0]
+    preadv, pread = os.preadv, os.pread
+
+    def counting_preadv(fd, bufs, offset):
+        n = preadv(fd, bufs, offset)
+        read[0] += n
+        return n
+
+    def counting_pread(fd, n, offset):
+        data = pread(fd, n, offset)
+        read[0] += len(data)
+        return data
+
+    monkeypatch.setattr(fast_read.os, "preadv", counting_preadv)
+    monkeypatch.setattr(artifact_module.os, "pread", counting_pread)
+    load_compiled(artifact)
+    files = sum(e["bytes"] for e in manifest(artifact)["files"].values())
+    headers = sum(
+        8 + int.from_bytes((artifact / rel).read_bytes()[:8], "little")
+        for rel in manifest(artifact)["files"]
+        if rel.endswith(".safetensors")
+    )
+    assert files <= read[0] <= files + headers + (1 << 16)  # the headers are parsed before the read
+
+
+def test_a_corrupted_file_is_found_however_it_is_read(artifact, tmp_path):
+    """Reader.verify_when_read: read_bytes and read_tensors refuse a damaged file; a file never read
+    is never hashed."""
+    from prx_compile.io import artifact as artifact_module
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    flip_byte(copy / WEIGHTS)
+    reader = artifact_module.open_artifact(copy, kind="artifact", verify=True, when_read=True)
+    assert reader.unverified == set(manifest(copy)["files"])
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its crc32"):
+        reader.read_tensors(WEIGHTS)
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its crc32"):
+        reader.read_bytes(WEIGHTS)
+    other = next(rel for rel in reader.files if rel != WEIGHTS)
+    reader.read_bytes(other)
+    assert other not in reader.unverified and WEIGHTS in reader.unverified
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        reader.verify()  # what was never read is checked now
+
+
+def artifact_digest_unverified(path) -> str:
+    """The digest ``artifact_digest`` prints (the manifest's sha256), without verifying the files."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+
+
+def test_a_load_checks_crc32_and_a_pinned_load_sha256(artifact, saved):
+    """Without a digest a load checks the cheap crc32 (corruption and truncation); with one, the
+    sha256 the digest pins; inspect checks both. An artifact of 0.25 (format 2, sha256 only) loads,
+    checked against its sha256."""
+    _, kw, _, out, _ = saved
+    m = manifest(artifact)
+    good = m["files"][WEIGHTS]["crc32"]
+    m["files"][WEIGHTS]["crc32"] = ["0" * 8] * len(good)  # the crc32 alone wrong
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its crc32"):
+        load_compiled(artifact)
+    pinned = load_compiled(artifact, digest=artifact_digest_unverified(artifact))  # by sha256 alone
+    assert torch.equal(pinned(**kw, return_dict=False)[0], out)
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its crc32"):
+        inspect_artifact(artifact)  # inspect (and artifact_digest) check both: no digest of a bad list
+    m["files"][WEIGHTS]["crc32"] = ["0" * 8] * (len(good) + 1)
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="sha256 and crc32 \\(one per 64 MiB\\)"):
+        load_compiled(artifact)
+    m["files"][WEIGHTS]["crc32"] = good
+    sha = m["files"][WEIGHTS]["sha256"]
+    m["files"][WEIGHTS]["sha256"] = ["0" * 64] * len(sha)  # now the sha256 alone wrong
+    write_manifest(artifact, m)
+    assert torch.equal(load_compiled(artifact)(**kw, return_dict=False)[0], out)  # crc32 checked
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256"):
+        load_compiled(artifact, digest=artifact_digest_unverified(artifact))
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256"):
+        inspect_artifact(artifact)
+    m["files"][WEIGHTS]["sha256"] = sha
+    m["format_version"] = 2  # as 0.25 wrote them: sha256 only
+    for entry in m["files"].values():
+        entry.pop("crc32", None)
+    write_manifest(artifact, m)
+    assert torch.equal(load_compiled(artifact)(**kw, return_dict=False)[0], out)
+    flip_byte(artifact / WEIGHTS)
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256"):
+        load_compiled(artifact)

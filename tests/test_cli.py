@@ -128,7 +128,7 @@ def test_build_inspect_then_generate_with_defaults(tiny_artifact, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "backend      eager" in r.stdout and "sizes and sha256 verified" in r.stdout
     r = run("inspect", "--json", art)
-    assert json.loads(r.stdout)["format_version"] == 2
+    assert json.loads(r.stdout)["format_version"] == 3
     r = run(
         "generate",
         "--artifact",

@@ -110,3 +110,90 @@ def test_a_device_it_does_not_copy_to_leaves_the_file_to_safetensors(tmp_path):
     path = tmp_path / "t.safetensors"
     save_file({"w": torch.ones(3)}, path)
     assert _read(path, "meta") is None
+
+
+def _hashes(path, chunk: int, kind: str = "sha256") -> list[str]:
+    import hashlib
+    import zlib
+
+    data = path.read_bytes()
+    one = {"sha256": lambda b: hashlib.sha256(b).hexdigest(), "crc32": lambda b: f"{zlib.crc32(b):08x}"}[kind]
+    return [one(data[o : o + chunk]) for o in range(0, max(len(data), 1), chunk)]
+
+
+@pytest.mark.parametrize("kind", fast_read.SUMS)
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_each_chunk_is_checked_against_its_checksum_as_it_is_read(tmp_path, monkeypatch, chunk, kind):
+    """The bytes read are the bytes hashed (sha256 or crc32, as hashlib and zlib compute them):
+    matching checksums give safetensors' tensors; a byte flipped in the header, the first tensor or
+    the last gives an ArtifactError and no tensors."""
+    monkeypatch.setattr(fast_read, "CHUNK", chunk)
+    path = tmp_path / "t.safetensors"
+    save_file(_tensors(), path, metadata={"k": "v"})
+    hashes = _hashes(path, chunk, kind)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = fast_read.read_to(fd, torch.device("cpu"), hashes, kind)
+    finally:
+        os.close(fd)
+    want = load_file(path)
+    assert all(
+        torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+        for k, v in want.items()
+    )
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    for at in (data.index(b'"v"') + 1, 8 + n + 1, len(data) - 1):  # metadata, a tensor's bytes, the last
+        bad = bytearray(data)
+        bad[at] ^= 0x01
+        path.write_bytes(bytes(bad))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with pytest.raises(fast_read.HashMismatch, match=f"does not match its {kind} at bytes"):
+                fast_read.read_to(fd, torch.device("cpu"), hashes, kind)
+        finally:
+            os.close(fd)
+    with pytest.raises(ArtifactError, match="checksums for a file of"):
+        path.write_bytes(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fast_read.read_to(fd, torch.device("cpu"), hashes[:-1] or ["0" * 64] * 2)
+        finally:
+            os.close(fd)
+
+
+def test_more_tensors_in_a_chunk_than_one_preadv_takes(tmp_path, monkeypatch):
+    """Each tensor is its own buffer on a CPU: a chunk of 3000 tiny tensors is read in several calls."""
+    tensors = {f"t{i:04d}": torch.full((1,), float(i)) for i in range(3000)}
+    path = tmp_path / "many.safetensors"
+    save_file(tensors, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = fast_read.read_to(fd, torch.device("cpu"), _hashes(path, fast_read.CHUNK))
+    finally:
+        os.close(fd)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_the_header_returned_is_the_header_checked(tmp_path, monkeypatch):
+    """The names, shapes and metadata come from the header parsed before the read; the bytes read
+    (and hashed) with the first chunk must be that header, or the file changed in between."""
+    path = tmp_path / "t.safetensors"
+    save_file(_tensors(), path, metadata={"k": "v"})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tensors, metadata = fast_read.read_file(fd, torch.device("cpu"), _hashes(path, fast_read.CHUNK))
+        assert metadata == {"k": "v"} and tensors.keys() == _tensors().keys()
+        parsed = fast_read.layout(fd)
+        forged = parsed._replace(head=parsed.head.replace(b'"v"', b'"w"'))  # as if parsed before a change
+        monkeypatch.setattr(fast_read, "layout", lambda fd: forged)
+        with pytest.raises(fast_read.HashMismatch, match="changed while it was read"):
+            fast_read.read_file(fd, torch.device("cpu"))
+    finally:
+        os.close(fd)
+
+
+def test_metadata_that_is_not_strings_is_refused(tmp_path):
+    path = _file(tmp_path, {"__metadata__": {"k": 1}, "x": _WHOLE})
+    with pytest.raises(ArtifactError, match="__metadata__ is not strings"):
+        _read(path)

@@ -116,8 +116,11 @@ def load_compiled(
             again from the saved weights at first use, as with ``rebuild``).
         rebuild: ignore the saved engines and compile again from the saved weights at first use
             (another GPU or TensorRT; or to run nothing but safetensors and JSON from this artifact).
-        verify: check the size and sha256 of every file first (parallel; well under a second for
-            PRX, 4-6 s for FLUX.1's 24 GB on the H200).
+        verify: check every file read against its size and checksums before any of it is used:
+            the crc32 per 64 MiB the manifest lists (corruption, truncation), or with ``digest`` the
+            sha256. The weights are checked in the same pass as they are read (each 64 MiB by the
+            thread that read it), engines and JSON before they are parsed. ``False`` skips the
+            checksums only.
         digest: ``"sha256:..."`` as ``artifact_digest`` / ``prx-compile inspect`` printed it where the
             artifact was made: an artifact with another digest is refused before anything is parsed.
 
@@ -136,6 +139,7 @@ def load_compiled(
         path,
         kind=KIND,
         verify=verify,
+        when_read=True,
         digest=digest,
         reads=_files_read,
         parsed=lambda manifest: ahead.append(_import_ahead(manifest)),

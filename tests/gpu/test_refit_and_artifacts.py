@@ -150,7 +150,9 @@ def test_a_new_process_runs_a_loaded_artifact_without_importing_torch_tensorrt(t
 @pytest.mark.parametrize("chunk", [4096, 1 << 20])
 def test_fast_read_copies_through_pinned_buffers_as_safetensors_reads(tmp_path, monkeypatch, chunk):
     """io.fast_read's GPU path: reads in threads into three pinned buffers, reused for chunks across
-    tensor boundaries, each copied on a side stream: the bytes safetensors reads."""
+    tensor boundaries, each hashed and copied on a side stream: the bytes safetensors reads; a byte
+    flipped anywhere is found."""
+    import hashlib
     import os
 
     from safetensors.torch import load_file, save_file
@@ -164,11 +166,22 @@ def test_fast_read_copies_through_pinned_buffers_as_safetensors_reads(tmp_path, 
     tensors["scale"] = torch.tensor(2.0)
     path = tmp_path / "w.safetensors"
     save_file(tensors, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = fast_read.read_to(fd, torch.device("cuda"))
-    finally:
-        os.close(fd)
+    data = path.read_bytes()
+    hashes = [hashlib.sha256(data[o : o + chunk]).hexdigest() for o in range(0, len(data), chunk)]
+
+    def read():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return fast_read.read_to(fd, torch.device("cuda"), hashes)
+        finally:
+            os.close(fd)
+
+    got = read()
     want = load_file(path, device="cuda")
     assert got.keys() == want.keys()
     assert all(got[k].is_cuda and torch.equal(got[k], want[k]) for k in want)
+    bad = bytearray(data)
+    bad[len(data) * 2 // 3] ^= 0x01
+    path.write_bytes(bytes(bad))
+    with pytest.raises(fast_read.HashMismatch):
+        read()
