@@ -10,12 +10,27 @@ dim of 64 it ran 498-540 TFLOP/s on the H200 against cuDNN's 396-407
 
 Measured on Hopper only, so ``supported`` asks for compute capability 9.x; elsewhere (and where the
 package does not import) ``prx_attention_flash4`` runs the cuDNN call or the split path instead.
+
+FlashAttention-4 compiles its kernel once per process. Its own disk cache, which a user turns on with
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1`` (and ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``), keeps the
+compiled kernels as native objects that it loads: FLUX.1's first step in a new process took 2.6-3.0 s
+with it filled, 5.2-6.6 s without (``benchmarks/results/flux_v26_load_h200.json``). ``kernel`` uses
+FlashAttention-4 with that cache only where the cache directory, everything in it and the folders
+above are this user's alone or root's (``untrusted_cache``): its default, under the shared temporary
+directory, could otherwise be planted by another user.
 """
 
 from __future__ import annotations
 
+import getpass
+import grp
 import importlib.util
 import logging
+import os
+import pwd
+import stat
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -42,6 +57,10 @@ def kernel():
     _KERNEL = None
     if not (torch.cuda.is_available() and installed()):
         return None
+    why = untrusted_cache()
+    if why is not None:
+        logger.warning("flash4 attention: not used: FlashAttention-4's kernel cache %s", why)
+        return None
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except Exception as e:  # a broken install must not break the compiled module
@@ -49,6 +68,82 @@ def kernel():
         return None
     _KERNEL = flash_attn_varlen_func
     return _KERNEL
+
+
+#: FlashAttention-4's switches for its disk cache of compiled kernels (read when it is imported)
+CACHE_ENABLED, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def untrusted_cache() -> str | None:
+    """Why FlashAttention-4's disk cache, where the environment turns it on, must not be used; None
+    where it is off or trusted.
+
+    Its directory is found as FlashAttention-4 finds it: ``$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR`` if
+    set (an empty value is the current directory), else ``<tmp>/<user>/flash_attention_cute_dsl_cache``.
+    The directory and everything in it must be this user's, no link, and writable by no one else (a
+    group that is this user's own private group aside: umask 002 makes files so). Each folder above
+    it, up to the first of root's that only root may change, must be this user's or root's, and a
+    link among them too (another user's folder or link above it could swap the cache)."""
+    if os.environ.get(CACHE_ENABLED, "0") != "1":
+        return None
+    where = os.environ.get(CACHE_DIR)
+    default = Path(tempfile.gettempdir()) / getpass.getuser() / "flash_attention_cute_dsl_cache"
+    root = Path(os.path.abspath(where if where is not None else default))
+    uid = os.geteuid()
+    try:
+        inside = [root, *sorted(root.rglob("*"))] if root.is_dir() and not root.is_symlink() else [root]
+        for p in inside:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:  # not made yet, or another process's temporary file, gone
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_uid != uid or _writable_by_others(st):
+                return (
+                    f"{p} is not yours alone (a link, another owner or writable by others): set {CACHE_DIR}."
+                )
+        for chain in (root.parents, Path(os.path.realpath(root)).parents):  # as written, as resolved
+            why = _folders_above(chain, uid)
+            if why is not None:
+                return why
+    except OSError as e:
+        return f"{root} cannot be examined ({e.strerror})."
+    return None
+
+
+def _folders_above(chain, uid: int) -> str | None:
+    """Why a folder or link of ``chain`` (a path's parents, nearest first) could be swapped by
+    another user; None up to the first folder of root's that only root may change."""
+    for p in chain:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (uid, 0):
+                return f"{p}, a link above it, is another user's: set {CACHE_DIR}."
+            st = os.stat(p)  # where a link of ours or root's points
+        sticky_tmp = st.st_uid == 0 and st.st_mode & stat.S_ISVTX  # /tmp: no one swaps ours
+        if st.st_uid not in (uid, 0) or (_writable_by_others(st) and not sticky_tmp):
+            return f"{p}, a folder above it, is not yours or root's alone: set {CACHE_DIR}."
+        if st.st_uid == 0:
+            return None
+    return None
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    """Whether a user other than this one may write where ``st`` describes: others' write bit, or
+    the group's unless the group is this user's private group (its primary one, named after it,
+    with no other members)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        return True
+    if not mode & stat.S_IWGRP:
+        return False
+    try:
+        group, user = grp.getgrgid(st.st_gid), pwd.getpwuid(os.geteuid())
+    except KeyError:  # a group or user without a name: not a private group
+        return True
+    return not (st.st_gid == user.pw_gid and group.gr_name == user.pw_name and not group.gr_mem)
 
 
 def supported(q: torch.Tensor) -> bool:
