@@ -57,7 +57,14 @@ def test_captured_in_a_cuda_graph():
     assert torch.equal(out, gelu_gate(x, w, up)) and torch.equal(out, -eager_out)
 
 
-def test_static_set_fuses_every_mlp_gate_and_matches_eager():
+def test_static_set_fuses_every_mlp_gate_and_matches_eager(monkeypatch):
+    from prx_compile.plan import Plan
+
+    # the fused GEMM as the only candidate: at this tiny width the measurement may pick either form
+    # (v26's GPU run picked the unfused one), and this test is about the fused one
+    monkeypatch.setattr(
+        Plan, "gate_candidates", lambda self, shapes: (True,) if self.gelu_gate(shapes) else (False,)
+    )
     model = make_prx(DEEP, dtype=torch.bfloat16, device="cuda")
     kw = inputs(model)
     ct = compile_prx(model, **STATIC)
