@@ -982,3 +982,15 @@ def test_a_load_checks_crc32_and_a_pinned_load_sha256(artifact, saved):
     flip_byte(artifact / WEIGHTS)
     with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256"):
         load_compiled(artifact)
+
+
+def test_a_damaged_header_is_named_as_damaged(artifact):
+    """A flipped byte in the weights' header fails safetensors' parse before any checksum is
+    computed; the file is then checked, and the error says it does not match its crc32."""
+    data = bytearray((artifact / WEIGHTS).read_bytes())
+    data[9] ^= 0x40  # inside the JSON header: '{' no longer opens it
+    (artifact / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its crc32"):
+        load_compiled(artifact)
+    with pytest.raises(ArtifactError, match="weights.safetensors is not a readable safetensors file"):
+        load_compiled(artifact, verify=False)
