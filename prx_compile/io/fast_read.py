@@ -2,14 +2,14 @@
 parallel ``pread``s into pinned buffers, each hashed by the thread that read it and copied to its
 tensors on a side stream while the next is read.
 
-    tensors = read_to(fd, torch.device("cuda"), hashes)   # None: a dtype this reader does not know
+    tensors, metadata = read_file(fd, torch.device("cuda"), crc32s, "crc32")  # None: not read here
 
 safetensors' ``load_file(device="cuda")`` copies tensor by tensor from a memory map through pageable
-memory, on one thread, and the artifact's files were hashed in a pass of their own before it. Here
+memory, on one thread (and 0.25 hashed the artifact's files in a pass of their own before it). Here
 ``WORKERS`` threads each read ``CHUNK`` bytes of the file (``os.preadv`` and hashlib release the GIL)
 and hash them, while the GPU copies the previous chunks. ``CHUNK`` is the artifact format's hash unit
-(the manifest lists a sha256 and a crc32 per 64 MiB), so no byte is read twice. On a CPU the tensors are the
-buffers: private memory, not a map of the file.
+(the manifest lists a sha256 and a crc32 per 64 MiB), so no byte is read twice. On a CPU the tensors
+are the buffers: private memory, not a map of the file.
 
 The header is checked before anything is allocated, as safetensors checks it: every dimension and
 offset an int, every tensor's bytes matching its dtype and shape, the tensors tiling the data with no
