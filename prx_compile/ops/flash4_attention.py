@@ -49,8 +49,9 @@ def installed() -> bool:
 
 
 def kernel():
-    """``flash_attn.cute.flash_attn_varlen_func``, or None (not installed, no CUDA, import failed).
-    Imported once per process; why it is not used is logged once."""
+    """``flash_attn.cute.flash_attn_varlen_func``, or None (not installed, no CUDA, its kernel cache
+    turned on in a directory ``untrusted_cache`` refuses, import failed). Imported once per process;
+    why it is not used is logged once."""
     global _KERNEL
     if _KERNEL is not _UNSET:
         return _KERNEL
