@@ -423,6 +423,10 @@ class Reader:
             raise fast_read.HashMismatch(
                 f"{self.root}: {rel} does not match its {kind} (corrupted or replaced)."
             )
+        self._mark(rel, kind)
+
+    def _mark(self, rel: str, kind: str) -> None:
+        """``rel`` matched its ``kind`` checksums."""
         if self._matched.get(rel) != "sha256":
             self._matched[rel] = kind
         self.unverified.discard(rel)
@@ -443,46 +447,38 @@ class Reader:
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load, load_file
 
+        kind = self._kind(rel) if rel in self.unverified else None  # None: nothing to check
+        sums = self.files[rel][kind] if kind else None
         try:
+            found = None
             with self.open(rel) as fd:
                 proc = f"/proc/self/fd/{fd}"  # the very file opened above, memory-mapped
                 if os.path.exists(proc):
-                    with safe_open(proc, framework="pt"):  # safetensors' own checks of the header
-                        pass
-                    kind = self._kind(rel) if rel in self.unverified else None
-                    sums = self.files[rel][kind] if kind else None
+                    with safe_open(proc, framework="pt") as f:  # safetensors' own checks of the header
+                        unchecked = f.metadata() or {}
                     found = fast_read.read_file(fd, torch.device(device), sums, kind)
-                    if found is not None:
-                        tensors, metadata = found  # the header read, and checked, with the bytes
-                        if kind:
-                            self._match(rel, kind, sums)  # read_file checked every chunk
-                    elif kind:  # a dtype fast_read does not know, or no pinned memory: one read
-                        data = self.read_bytes(rel)
-                        tensors = {k: v.to(device) for k, v in load(data).items()}
-                        metadata = _header_metadata(data)
-                    else:
-                        with safe_open(proc, framework="pt") as f:
-                            metadata = f.metadata() or {}
+                    if found is None and kind is None:  # nothing to check: safetensors reads it
                         tensors = load_file(proc, device=str(device))
                         if torch.device(device).type == "cpu":  # private memory, not a map of the file
                             tensors = {k: v.clone() for k, v in tensors.items()}
-                else:  # no /proc: parse the bytes
-                    data = self.read_bytes(rel)
-                    tensors = {k: v.to(device) for k, v in load(data).items()}
-                    metadata = _header_metadata(data)
+                        found = tensors, unchecked
+                    elif found is not None and kind:
+                        self._mark(rel, kind)  # read_file checked every chunk
+            if found is None:  # no /proc, or a file fast_read does not read: one read, checked
+                data = self.read_bytes(rel)
+                found = {k: v.to(device) for k, v in load(data).items()}, _header_metadata(data)
         except fast_read.HashMismatch as e:
             if str(e).startswith(str(self.root)):  # named already (``_match``)
                 raise
             raise fast_read.HashMismatch(f"{self.root}: {rel} {e}") from e
         except (SafetensorError, ValueError, OSError, RuntimeError) as e:
-            if rel in self.unverified:  # a damaged header says so: checked, it is named as damaged
+            if kind and rel in self.unverified:  # a damaged header: checked, it is named as damaged
                 with self.open(rel) as fd:
-                    kind = self._kind(rel)
                     self._match(rel, kind, _chunk_sums(fd, (kind,))[kind])
             raise ArtifactError(
                 f"{self.root}: {rel} is not a readable safetensors file ({str(e)[:200]})."
             ) from e
-        return tensors, metadata
+        return found
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:
@@ -617,7 +613,7 @@ def parse_manifest(data: bytes, where: str, kind: str) -> dict[str, Any]:
     version = manifest.get("format_version")
     if type(version) is not int or version not in READS:
         raise ArtifactError(
-            f"{where} has format version {str(manifest.get('format_version'))[:20]}, this prx_compile "
+            f"{where} has format version {repr(version)[:20]}, this prx_compile "
             f"reads {' and '.join(map(str, READS))}.",
             "build the artifact again with this version.",
         )
