@@ -319,7 +319,9 @@ class CompileConfig:
                 "use an integer 0..5 or null.",
             )
         if self.engine_cache_dir is not None and (
-            not isinstance(self.engine_cache_dir, str) or not self.engine_cache_dir
+            not isinstance(self.engine_cache_dir, str)
+            or not self.engine_cache_dir
+            or "\0" in self.engine_cache_dir
         ):
             raise ConfigError(
                 f"engine_cache_dir={excerpt(self.engine_cache_dir)} must be a directory path or null."
@@ -463,7 +465,8 @@ def _safe_loader():
     reference, and nested ones ("billion laughs") make a 451-byte file a structure of 10**9 items; a
     config never needs one (merge keys ``<<`` then only merge mappings written out in full, which
     expands nothing). A long integer costs quadratic time to build (YAML 1.1's base 60,
-    ``1:59:59:...``) or raises a raw ValueError (more than 4300 digits)."""
+    ``1:59:59:...``) or raises a raw ValueError (more than 4300 digits); a long base-60 float
+    overflows (OverflowError). A key given twice is refused (YAML's own rule; PyYAML keeps the last)."""
     import yaml
 
     class NoAliasSafeLoader(yaml.SafeLoader):
@@ -482,8 +485,40 @@ def _safe_loader():
                 )
             return super().construct_yaml_int(node)
 
+        def construct_mapping(self, node, deep=False):  # a key written twice: refused, not last-wins
+            _no_duplicate_keys(node)
+            return super().construct_mapping(node, deep)
+
+        def construct_yaml_float(self, node):  # base 60 again: ``1:1:...:1.5`` overflows a float
+            if len(node.value) > MAX_YAML_INT_CHARS:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a number of {len(node.value)} characters is too long", node.start_mark
+                )
+            return super().construct_yaml_float(node)
+
     NoAliasSafeLoader.add_constructor("tag:yaml.org,2002:int", NoAliasSafeLoader.construct_yaml_int)
+    NoAliasSafeLoader.add_constructor("tag:yaml.org,2002:float", NoAliasSafeLoader.construct_yaml_float)
     return NoAliasSafeLoader
+
+
+def _no_duplicate_keys(node) -> None:
+    """A ConstructorError where a mapping node gives one key twice (the same tag and text), in it or
+    in a mapping it merges (``<<``), which PyYAML would otherwise resolve silently."""
+    import yaml
+
+    seen = set()
+    for key_node, value_node in node.value:
+        key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+        if key is not None and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {str(key_node.value)[:40]!r} is given twice", key_node.start_mark
+            )
+        seen.add(key)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for sub in merged:
+                if isinstance(sub, yaml.MappingNode):
+                    _no_duplicate_keys(sub)
 
 
 def load_yaml(path: Path) -> Any:

@@ -219,6 +219,20 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             self.mirror.base[fqn] = value.clone()
             self.note(f"{fqn} = Parameter(...)")
 
+        @rule(index=st.integers(0, 10**6), seed=st.integers(0, 2**16))
+        def swap_layer(self, index, seed):
+            fqn = block_weights[index % len(block_weights)]
+            mod = fqn.rpartition(".")[0]
+            parent, _, attr = mod.rpartition(".")
+            new = copy.deepcopy(self.transformer.get_submodule(mod))  # its own parameters: a new base
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                w = new.weight
+                w.copy_((torch.randn(w.shape, generator=g) * w.float().std()).to(w))
+            setattr(self.transformer.get_submodule(parent), attr, new)
+            self.mirror.base[fqn] = new.weight.detach().clone()
+            self.note(f"{mod} swapped for a new layer")
+
         # -- whole-module operations ---------------------------------------------------------------
         @rule()
         def save_pretrained(self):
@@ -252,6 +266,30 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             }
             self.rebuilds += 1
             self.note(f".to({dtype})")
+
+        @rule(data=st.data())
+        def two_without_a_call(self, data):
+            """Two operations back to back, no call between them: where 0.26 lost writes (a cast after
+            a load_state_dict under a LoRA, a LoRA operation after a swapped layer, save_pretrained
+            after an edit)."""
+            for _ in range(2):
+                ops = ["load_state_dict", "edit_in_place", "new_parameter", "swap_layer", "save_pretrained"]
+                ops += ["switch", "unload"] if self.mirror.adapters else []
+                ops += ["cast"] if setup.slow_ops and self.rebuilds < 2 else []
+                op = data.draw(st.sampled_from(ops))
+                seed, index = data.draw(st.integers(0, 2**16)), data.draw(st.integers(0, 10**6))
+                if op == "load_state_dict":
+                    self.load_state_dict(seed)
+                elif op == "edit_in_place":
+                    self.edit_in_place(index, data.draw(st.sampled_from([1.1, -1.0])))
+                elif op in ("new_parameter", "swap_layer"):
+                    getattr(self, op)(index, seed)
+                elif op == "cast":
+                    self.cast(data.draw(st.sampled_from([torch.float32, torch.bfloat16])))
+                elif op == "switch":
+                    self.switch(data)
+                else:
+                    getattr(self, op)()
 
         # -- the promise ---------------------------------------------------------------------------
         @invariant()

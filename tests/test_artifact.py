@@ -335,6 +335,81 @@ def test_hostile_engine_set_records_are_artifact_errors(artifact):
             load_compiled(artifact)
 
 
+def test_a_module_an_artifact_could_not_hold_is_refused_before_saving(tmp_path):
+    ct = compile_prx(make_prx(), backend="eager", **{**RANGE, "resolution": 2048, "static": False})
+    with pytest.raises(ArtifactError, match="plans an engine set beyond what an artifact may hold"):
+        save_compiled(ct, tmp_path / "art")
+    assert not (tmp_path / "art").exists() and not ct.is_built  # refused before any build
+
+
+def test_every_engine_set_a_loaded_module_can_build_is_held_to_the_disk_limits(artifact):
+    """Without saved sets the module builds what the manifest's config plans: those are held to the
+    limits of a set read from disk (0.26 let ``"sets": []`` ask for a 65536² latent, 17.6 TB)."""
+    m = manifest(artifact)
+    m["sets"] = []
+    m["config"].update(resolution=65536, specialize=[[65536, 65536, 256]], batch=[1, 256], text_len=[16, 16])
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="plans an engine set beyond the limits: shapes.width"):
+        load_compiled(artifact)
+    m["config"].update(resolution=2048, specialize=[[2048, 2048, 2]], batch=[1, 2])  # 2**21 tokens a step
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match="tokens a step, more than 1048576"):
+        load_compiled(artifact)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"multiple": 1, "height": [15, 17], "width": [15, 17]}, "latent sizes in multiples of 1; this"),
+        ({"tokens": True, "height": [1, 64], "width": [1, 1], "multiple": 1}, "a range of image tokens"),
+    ],
+    ids=["multiple", "tokens"],
+)
+def test_a_saved_set_the_model_cannot_take_is_refused_at_load(artifact, change, match):
+    m = manifest(artifact)
+    m["sets"][0]["shapes"].update(change)
+    write_manifest(artifact, m)
+    with pytest.raises(ArtifactError, match=match):
+        load_compiled(artifact)
+
+
+def test_a_model_config_its_class_accepts_but_cannot_run_is_refused_at_load(artifact):
+    """PRX's RoPE takes one size per id column (row, column): diffusers accepts ``axes_dim=[16]``
+    and fails at the first call."""
+    record = manifest(artifact)["model"]
+    record["config"]["axes_dim"] = [16]
+    retag(artifact, WEIGHTS, "prx_compile.model", record)
+    with pytest.raises(ArtifactError, match=r"axes_dim=\[16\] must be 2 positive even sizes"):
+        load_compiled(artifact)
+
+
+def test_a_lora_file_with_tensors_its_record_does_not_name_is_refused(artifact):
+    from safetensors import safe_open
+
+    with safe_open(str(artifact / LORA), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(artifact / LORA))
+    save_file({**tensors, "smuggled": torch.zeros(4, dtype=torch.int64)}, str(artifact / LORA), metadata=meta)
+    rehash(artifact, LORA)
+    with pytest.raises(ArtifactError, match="1 tensor.s. the LoRA record does not name, e.g. 'smuggled'"):
+        load_compiled(artifact)
+
+
+def test_a_dtype_torch_cannot_read_is_an_artifact_error(artifact):
+    """F4 is a safetensors dtype torch's reader does not know (a raw KeyError in 0.26)."""
+    path = artifact / WEIGHTS
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    header["extra"] = {"dtype": "F4", "shape": [4], "data_offsets": [end, end + 2]}
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :] + b"\0\0")
+    rehash(artifact, WEIGHTS)
+    with pytest.raises(ArtifactError, match=r"not a readable safetensors file \(KeyError: 'F4'\)"):
+        load_compiled(artifact)
+
+
 def test_engines_of_another_backend_are_refused(artifact):
     """The loader follows the config's backend only: a TensorRT state under an eager config is refused."""
     m = manifest(artifact)

@@ -111,6 +111,16 @@ def test_a_file_of_another_user_inside_an_entry_is_refused_not_rebuilt(cache, mo
     assert sorted((p.name, p.read_bytes()) for p in entry.iterdir()) == before  # nothing replaced
 
 
+def test_a_damaged_entry_of_this_users_is_built_again_and_replaced(cache, caplog):
+    """0.26 refused to overwrite an entry whose manifest did not parse: every process built it again."""
+    root, entry = cache
+    (entry / MANIFEST).write_text("{broken")
+    os.chmod(entry / MANIFEST, 0o600)
+    assert run(root)[1] is False  # built again, with a warning
+    assert "cannot be used" in caplog.text and "could not be written" not in caplog.text
+    assert run(root)[1] is True  # and stored: the next process hits
+
+
 @pytest.mark.parametrize("what", ["entry", "manifest", "root"])
 def test_writable_by_others_is_refused(cache, what):
     root, entry = cache

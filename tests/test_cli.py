@@ -236,6 +236,8 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
             ["generate", "--prompts-file", "/no/such/file.txt"],
             "prompts file /no/such/file.txt does not exist",
         ),
+        (["generate", "--prompts-file", "/dev/zero"], "prompts file /dev/zero is not a regular file"),
+        (["generate", "--prompts-file", "/tmp"], "prompts file /tmp is not a regular file"),
         (["generate", "--steps", "1"], "no prompt given"),
         (["inspect", "/no/such/artifact"], "no such directory"),
         (["build", "--tiny", "--config", "prx-9000", "--out", "/tmp/x"], "no preset named 'prx-9000'"),
@@ -265,6 +267,9 @@ def test_build_refuses_a_directory_that_is_not_an_artifact_before_building(tmp_p
         ["bench", "--iters", "0"],
         ["generate", "--steps", "-1", "--prompt", "x"],
         ["demo", "--attention", "fast"],
+        ["generate", "--guidance", "inf", "--prompt", "x"],
+        ["generate", "--guidance", "nan", "--prompt", "x"],
+        ["generate", "--guidance", "-1", "--prompt", "x"],
     ],
 )
 def test_bad_arguments_exit_2_without_a_traceback(args):

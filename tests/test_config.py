@@ -217,6 +217,11 @@ def test_billion_laughs_fails_fast_naming_the_file(tmp_path):
         ("a: &x 1\nbackend: eager\n", "anchors and aliases"),  # an anchor alone is refused too
         ("batch: [" + "1" * 5000 + ", 2]\n", "integer of 5000 characters is too long"),
         ("batch: [1" + ":59" * 300_000 + ", 2]\n", "integer of 900001 characters"),  # base 60: quadratic
+        ("resolution: 1" + ":1" * 200 + ".5\n", "a number of 403 characters is too long"),  # float overflow
+        ("backend: eager\nbackend: tensorrt\n", "the key 'backend' is given twice"),
+        ("<<: {backend: eager, backend: tensorrt}\n", "the key 'backend' is given twice"),  # in a merge
+        ("<<: {backend: eager}\n<<: {batch: [1, 2]}\n", "the key '<<' is given twice"),
+        ('engine_cache_dir: "a\\0b"\n', "engine_cache_dir='a.x00b' must be a directory path"),
         ("backend: eager\nbatch: [2, 1]\n", r"c\.yaml: batch=\[2, 1\] must be"),  # value errors too
         ("x" * 20 + ": 1\n" + "".join(f"k{i}: 1\n" for i in range(5000)), r"and 4991 more\."),
     ],

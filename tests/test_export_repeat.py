@@ -137,6 +137,27 @@ def test_where_the_blocks_cannot_be_copied_every_block_is_traced(three_blocks, c
     assert (out - eager(odd, prx_inputs(odd))).abs().max() <= 1e-5
 
 
+def test_a_hook_or_processor_on_one_block_is_traced_in_that_block_only():
+    """An export traces hooks and attention processors: block 0's copy would put a hook of block 1
+    on every block, or on none."""
+    model = make_prx({**_tiny(), "depth": 3})
+    model.blocks[1].register_forward_hook(lambda m, a, out: out * 0.5)
+    assert "forward hooks" in why_not(model, PRX, "inputs")
+    kw = prx_inputs(model)
+    ep, names = export_step(model, kw, weights="inputs")
+    with torch.no_grad():
+        out = ep.module()(**kw, weights=[weight_tensors(model)[n] for n in names])
+    assert (out - eager(model, kw)).abs().max() <= 1e-5
+    other = make_prx({**_tiny(), "depth": 3})
+    attention = other.blocks[2].attention
+
+    class Mine(type(attention.processor)):
+        pass
+
+    attention.set_processor(Mine())
+    assert "attention processors" in why_not(other, PRX, "inputs")
+
+
 def test_the_model_is_not_changed_by_the_one_block_export(three_blocks):
     model = three_blocks
     before = [id(b) for b in model.blocks]

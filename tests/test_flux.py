@@ -128,6 +128,15 @@ def test_one_block_of_each_list_is_traced_and_copied_to_the_full_graph():
             assert torch.equal(got, eager(model, other))
 
 
+@pytest.mark.parametrize("axes", [[4, 6, 4], [4, 12], [4, 5, 7]], ids=["sum", "count", "odd"])
+def test_rope_axes_diffusers_accepts_but_cannot_run_are_refused_at_compile_time(axes):
+    """FLUX's RoPE takes 3 even sizes (one per id column) summing to the head dimension; diffusers
+    builds the model and fails at its first call."""
+    model = make_flux({**TINY_FLUX, "axes_dims_rope": axes})
+    with pytest.raises(ConfigError, match=r"axes_dims_rope=.* must be 3 positive even sizes summing to 16"):
+        compile_transformer(model, backend="eager", device="cpu")
+
+
 def test_unsupported_classes_are_refused_at_compile_time_in_one_line():
     from diffusers import SD3Transformer2DModel
 

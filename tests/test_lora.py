@@ -431,3 +431,162 @@ def test_new_base_weights_keep_the_lora_over_them_and_unload_leaves_exactly_them
         other.load_state_dict(part, strict=False)
     unload_lora(target)
     assert torch.equal(target(**kw, return_dict=False)[0], eager(other, kw))  # exactly the new base
+
+
+def _flux_lora_file(tmp_path, metadata=None):
+    from prx_compile.tools.testing import make_flux
+
+    model = make_flux()
+    sd = make_random_lora(model, 4, std=0.1)
+    path = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file(sd, str(path), metadata={"format": "pt", **(metadata or {})})
+    layer = "transformer_blocks.0.attn.to_q"
+    delta = sd[f"transformer.{layer}.lora_B.weight"] @ sd[f"transformer.{layer}.lora_A.weight"]
+    return model, path, layer, delta
+
+
+@pytest.mark.parametrize(
+    "config, scale",
+    [
+        ({"transformer.r": 4, "transformer.lora_alpha": 8}, 2.0),
+        ({"transformer.r": 4, "transformer.lora_alpha": 8, "transformer.use_rslora": True}, 4.0),
+        ({"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]}, 2.0),
+        ({"text_encoder.r": 4, "text_encoder.lora_alpha": 8}, 1.0),
+        (None, 1.0),
+    ],
+    ids=["alpha-over-r", "rslora", "model-save-lora-adapter", "another-component", "none"],
+)
+def test_the_alpha_diffusers_writes_in_the_file_header_is_applied(tmp_path, config, scale):
+    """diffusers' ``save_lora_weights(..., transformer_lora_adapter_metadata=LoraConfig(...).to_dict())``
+    keeps the config in the header as ``lora_adapter_metadata`` (keys prefixed by component; a model's
+    ``save_lora_adapter`` writes them bare); diffusers applies its alpha / r (alpha / sqrt(r) with
+    rsLoRA), and so does load_lora (0.26 applied 1.0)."""
+    meta = {} if config is None else {"lora_adapter_metadata": json.dumps(config)}
+    model, path, layer, delta = _flux_lora_file(tmp_path, meta)
+    w0 = model.get_parameter(f"{layer}.weight").detach().clone()
+    load_lora(model, path, "m")
+    d = model.get_parameter(f"{layer}.weight").detach() - w0
+    assert abs(float((d * delta).sum() / (delta * delta).sum()) - scale) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (
+            {"r": 4, "lora_alpha": 8, "alpha_pattern": {"to_q": 40}},
+            "per-layer alpha_pattern is not supported",
+        ),
+        ({"r": 4, "lora_alpha": 8, "rank_pattern": {"to_q": 2}}, "per-layer rank_pattern is not supported"),
+        ({"r": 8, "lora_alpha": 8}, "has rank 4; its adapter config says r=8"),
+        ({"r": 4, "lora_alpha": 8, "use_rslora": "yes"}, "use_rslora='yes' must be true or false"),
+    ],
+    ids=["alpha-pattern", "rank-pattern", "rank", "rslora-type"],
+)
+def test_an_adapter_config_it_cannot_apply_exactly_is_refused(tmp_path, config, match):
+    """In the file's header or a PEFT folder's adapter_config.json: refused, never ignored."""
+    meta = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+    model, path, _, _ = _flux_lora_file(tmp_path, meta)
+    before = weights(model)
+    with pytest.raises(LoRAError, match=match):
+        load_lora(model, path, "m")
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    save_file(
+        {k.replace("transformer.", "base_model.model."): v for k, v in make_random_lora(model, 4).items()},
+        str(folder / "adapter_model.safetensors"),
+    )
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match=match):
+        load_lora(model, folder, "p")
+    assert same(weights(model), before)
+
+
+def test_an_fp8_lora_file_loads_as_its_fp32_values(tmp_path):
+    model, twin = make_prx(), make_prx()
+    sd = {k: v.to(torch.float8_e4m3fn) for k, v in make_random_lora(model, 4, std=0.1).items()}
+    save_file(sd, str(tmp_path / "fp8.safetensors"))
+    load_lora(model, tmp_path / "fp8.safetensors", "q")
+    load_lora(twin, {k: v.float() for k, v in sd.items()}, "q")
+    assert same(weights(model), weights(twin))
+
+
+def test_unload_restores_what_is_left_after_the_structure_changed(caplog):
+    """A LoRA'd block removed: the call says the LoRA cannot stay applied and how to recover;
+    unload_lora then restores every weight that is left (0.26 raised a raw KeyError)."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **RANGE)
+    base = weights(model)
+    load_lora(ct, make_random_lora(model, 4, std=0.1), "a")
+    model.blocks = torch.nn.ModuleList(list(model.blocks)[:1])
+    kw = prx_inputs(model, text=16)
+    with pytest.raises(LoRAError, match="unload_lora .it restores the weights that are left"):
+        run(ct, kw)
+    unload_lora(ct)
+    assert same(weights(model), {k: v for k, v in base.items() if k in model.state_dict()})
+    assert summary(ct) is None
+    assert torch.equal(run(ct, kw), eager(model, kw))
+
+
+def test_casts_and_saves_see_every_write_made_since_the_last_call(tmp_path):
+    """No call between the operations (0.26 lost them): new base weights then a cast keep the LoRA
+    over the new base; a cast there and back, then an unload, leaves the cast base; a swapped layer
+    then an unload keeps the new layer's weights; save_pretrained right after an edit writes it
+    with the LoRA over it."""
+    from safetensors.torch import load_file
+
+    lora = make_random_lora(make_prx(), 4, std=0.1, seed=1)
+
+    def twins():
+        model = make_prx()
+        return model, compile_prx(model, backend="eager", **RANGE)
+
+    def with_lora(model):
+        model = copy.deepcopy(model)
+        load_lora(model, lora, "a")
+        return model
+
+    kw = prx_inputs(make_prx(), text=16)
+    kw_bf16 = {
+        k: v.bfloat16() if k in ("hidden_states", "encoder_hidden_states") else v for k, v in kw.items()
+    }
+    model, ct = twins()
+    load_lora(ct, lora, "a")
+    new = make_prx(seed=3)
+    ct.load_state_dict(new.state_dict())
+    ct.to(torch.bfloat16)
+    assert torch.equal(run(ct, kw_bf16), eager(with_lora(new.to(torch.bfloat16)), kw_bf16))
+
+    for cast in ("compiled", "transformer", "eager"):  # the compiled module's .to, or around it
+        model, ct = twins()
+        target = model if cast == "eager" else ct
+        load_lora(target, lora, "a")
+        # held: else the allocator may give the weights their old addresses back, which makes the
+        # round trip invisible (docs/semantics.md); the compiled module's .to() sees it regardless
+        held = [p.detach() for p in model.parameters()] if cast != "compiled" else []
+        (ct if cast == "compiled" else model).half().float()
+        del held
+        unload_lora(target)
+        want = make_prx().half().float()
+        assert same(weights(model), weights(want)), cast  # exactly the base, rounded through fp16
+        torch.testing.assert_close(run(target, kw), eager(want, kw), rtol=0, atol=1e-5)  # an output's
+        # last bit may differ between two models (a CPU matmul's depends on its buffers' alignment)
+
+    model, ct = twins()
+    load_lora(ct, lora, "a")
+    layer = torch.nn.Linear(
+        model.blocks[0].up_proj.in_features, model.blocks[0].up_proj.out_features, bias=False
+    )
+    mine = layer.weight.detach().clone()
+    model.blocks[0].up_proj = layer
+    unload_lora(ct)
+    assert torch.equal(layer.weight, mine)
+
+    model, ct = twins()
+    load_lora(ct, lora, "a")
+    w = "blocks.0.up_proj.weight"
+    x = torch.randn_like(model.get_parameter(w)) * 0.05
+    with torch.no_grad():
+        model.get_parameter(w).copy_(x)
+    ct.save_pretrained(tmp_path / "saved")
+    saved = load_file(str(next((tmp_path / "saved").glob("*.safetensors"))))
+    assert torch.equal(saved[w], model.get_parameter(w)) and not torch.equal(saved[w], x)

@@ -219,6 +219,99 @@ def test_new_shapes_or_module_types_rebuild_with_a_warning(caplog):
     assert ct.builds == 3
 
 
+def test_hooks_and_attention_processors_changed_after_a_build_are_followed(caplog):
+    """An export traces a module's forward hooks and its attention processor: one added, removed or
+    replaced after the set was built rebuilds it (with a warning naming the module), never runs
+    the set built without it."""
+    model = make_prx()
+    ct = compiled(model)
+    step(ct, model)
+
+    def near(out, ref):  # relative L2 (a stale set is 2.7e-3 off; the hook reorders a few sums)
+        assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+    def halve(module, args, out):
+        return out * 0.5
+
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
+        handle = model.blocks[0].register_forward_hook(halve)
+        near(*step(ct, model))
+        assert "hooks or attention processors changed on blocks.0" in caplog.text
+        handle.remove()
+        near(*step(ct, model))
+
+        def scaled(f):
+            return lambda module, args, out: out * f
+
+        for f in (0.5, 2.0):  # one hook removed, another registered: a new closure, maybe at its address
+            handle = model.blocks[0].register_forward_hook(scaled(f))
+            near(*step(ct, model))
+            handle.remove()
+        near(*step(ct, model))
+        model.register_forward_pre_hook(
+            lambda m, a, kw: (a, {**kw, "timestep": kw["timestep"] * 0.5}), with_kwargs=True
+        )
+        near(*step(ct, model))
+        assert "changed on the transformer" in caplog.text
+    assert ct.builds == 7  # each step after a change rebuilt once
+    attention = model.blocks[1].attention
+    processor = type(attention.processor)()  # a new processor object: what it holds may differ
+    attention.set_processor(processor)
+    near(*step(ct, model))
+    assert ct.builds == 8
+    load_lora(ct, make_random_lora(model, rank=2, seed=1), "a")  # the library's own hook: no rebuild
+    assert not ct.follower.watch.moved()
+    step(ct, model)
+    assert ct.builds == 8
+
+
+def test_a_replaced_parameter_is_read_with_weights_held_by_the_sets(caplog):
+    """``weights: engine`` on the eager backend: the sets hold the parameters themselves, so a
+    replaced one (``module.weight = Parameter``, ``load_state_dict(assign=True)``) rebuilds them."""
+    model = make_prx()
+    ct = compiled(model, weights="engine")
+    step(ct, model)
+    linear = model.final_layer.linear
+    linear.weight = torch.nn.Parameter(linear.weight.detach() * 0.5)
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
+        close(*step(ct, model))
+    assert "final_layer.linear.weight replaced" in caplog.text and ct.builds == 2
+    new = make_prx(seed=3)
+    ct.load_state_dict(new.state_dict(), assign=True)
+    close(*step(ct, model))
+    close(step(ct, model)[0], eager(new, prx_inputs(new, text=16)))
+
+
+def test_what_a_compiled_module_cannot_do_is_said_in_one_line(caplog):
+    """Replacing its transformer, autograd, and the class constructors diffusers gives it."""
+    model = make_prx()
+    ct = compiled(model)
+    with pytest.raises(ConfigError, match="transformer cannot be replaced"):
+        ct.transformer = make_prx(seed=9)
+    with pytest.raises(ConfigError, match="transformer cannot be deleted"):
+        del ct.transformer
+    assert ct.transformer is model
+    for call, match in (
+        (lambda: ct.enable_layerwise_casting(), "layerwise casting replaces"),
+        (lambda: ct.enable_group_offload("cpu"), "group offload moves weights"),
+        (lambda: ct.enable_cache(None), "caches .enable_cache. skip blocks"),
+        (lambda: ct.set_attention_backend("flash"), "attention is chosen when it is built"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            call()
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
+        ct(**prx_inputs(model, text=16), return_dict=False)  # eval mode, grad on: inference
+        assert "runs inference only" not in caplog.text
+        ct.train()
+        out = ct(**prx_inputs(model, text=16), return_dict=False)[0]  # training, grad on
+        ct(**prx_inputs(model, text=16), return_dict=False)
+    assert not out.requires_grad
+    assert caplog.text.count("runs inference only") == 1
+    for make in (type(ct).from_pretrained, type(ct).from_config):
+        with pytest.raises(ConfigError, match="cannot make a compiled transformer"):
+            make("somewhere")
+
+
 def test_dtype_changes_are_never_a_silent_no_op(caplog):
     model = make_prx()
     ct = compiled(model)

@@ -22,8 +22,9 @@ node and their outputs (after ``prepare``, the last copy keeps that unread outpu
 prepared full export drops: ``export_step`` drops them too). Where the model is not one this applies
 to, it says why and returns None, and
 the caller exports in full: weights baked into the graph (``weights="engine"``), a list of fewer than
-two blocks, blocks whose parameters differ in names, shapes or dtypes, a block called with positional
-carried tensors, or a block value used after the block.
+two blocks, blocks whose parameters differ in names, shapes or dtypes, blocks with forward hooks or
+different attention processors (an export traces them), a block called with positional carried
+tensors, or a block value used after the block.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
         tensors = [*block.named_parameters(), *block.named_buffers()]
         return [(name, tuple(t.shape), t.dtype) for name, t in tensors]
 
+    def processors(block: torch.nn.Module) -> list[tuple[str, type]]:
+        return [(name, type(m.__dict__.get("processor"))) for name, m in block.named_modules()]
+
     for bl in spec.blocks:
         blocks = getattr(model, bl.attr, None)
         if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < 2:
@@ -111,6 +115,11 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
         first = layout(blocks[0])
         if any(type(b) is not type(blocks[0]) or layout(b) != first for b in blocks):
             return f"the blocks of {bl.attr} differ in class, parameter names, shapes or dtypes"
+        # an export traces hooks and attention processors: block 0's would stand for every block's
+        if any(m._forward_hooks or m._forward_pre_hooks for b in blocks for m in b.modules()):
+            return f"blocks of {bl.attr} have forward hooks"
+        if any(processors(b) != processors(blocks[0]) for b in blocks):
+            return f"the blocks of {bl.attr} differ in their attention processors"
     return None
 
 

@@ -224,22 +224,26 @@ def _blocks(fd: int, start: int, end: int) -> Iterator[bytes]:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike, kind: str, *, private: bool = False) -> Iterator[Writer]:
+def writing(
+    path: str | os.PathLike, kind: str, *, private: bool = False, damaged_ok: bool = False
+) -> Iterator[Writer]:
     """Write an artifact of ``kind`` at ``path``: yields a ``Writer`` on a private sibling directory,
     which replaces ``path`` when the block ends without an error (or is removed, if it raises).
 
     ``path`` may not exist, be an empty directory, or be an artifact of the same kind; anything else
-    is an ArtifactError (nothing is overwritten). ``private``: the directory stays 0700 and its files
-    0600 (engine-cache entries, which trust only their owner); else they take the umask. The swap is
-    one atomic ``renameat2(RENAME_EXCHANGE)`` where Linux offers it; otherwise two renames, undone if
-    the second fails, and a previous artifact left aside by a killed save is put back by the next one.
+    is an ArtifactError (nothing is overwritten), but with ``damaged_ok`` any directory is replaced
+    (an engine-cache entry its reader refused, which the cache checked is its owner's). ``private``: the
+    directory stays 0700 and its files 0600 (engine-cache entries, which trust only their owner);
+    else they take the umask. The swap is one atomic ``renameat2(RENAME_EXCHANGE)`` where Linux
+    offers it; otherwise two renames, undone if the second fails, and a previous artifact left aside
+    by a killed save is put back by the next one.
     """
     path = Path(path)
     parent = path.parent
     parent.mkdir(parents=True, exist_ok=True)
     with locked(parent):  # saves into one folder take turns; no lock file is left beside the artifact
         _recover(path)
-        _check_replaceable(path, kind)
+        _check_replaceable(path, kind, damaged_ok)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
         if not private:  # the artifact directory as mkdir would make it (mkdtemp's is 0700)
             os.chmod(tmp, 0o777 & ~umask())
@@ -305,7 +309,7 @@ def check_target(path: Path, kind: str) -> None:
     _check_replaceable(path, kind)
 
 
-def _check_replaceable(path: Path, kind: str) -> None:
+def _check_replaceable(path: Path, kind: str, damaged_ok: bool = False) -> None:
     if not os.path.lexists(path):
         return
     st = os.lstat(path)
@@ -313,7 +317,7 @@ def _check_replaceable(path: Path, kind: str) -> None:
         raise ArtifactError(f"{path} is a symbolic link.", "save to a real directory path.")
     if not stat.S_ISDIR(st.st_mode):
         raise ArtifactError(f"{path} exists and is not a directory.", "choose another path.")
-    if not any(path.iterdir()):
+    if damaged_ok or not any(path.iterdir()):
         return
     try:
         parse_manifest(_read_manifest_bytes(path), str(path), kind)
@@ -471,12 +475,13 @@ class Reader:
             if str(e).startswith(str(self.root)):  # named already (``_match``)
                 raise
             raise fast_read.HashMismatch(f"{self.root}: {rel} {e}") from e
-        except (SafetensorError, ValueError, OSError, RuntimeError) as e:
+        except (SafetensorError, ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
+            # KeyError: a dtype the format allows and torch's reader does not know (F4, F8_E8M0)
             if kind and rel in self.unverified:  # a damaged header: checked, it is named as damaged
                 with self.open(rel) as fd:
                     self._match(rel, kind, _chunk_sums(fd, (kind,))[kind])
             raise ArtifactError(
-                f"{self.root}: {rel} is not a readable safetensors file ({str(e)[:200]})."
+                f"{self.root}: {rel} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})."
             ) from e
         return found
 

@@ -183,8 +183,11 @@ _MANIFEST = schema.Dict(
 
 
 def store(entry: Path, backend: Backend) -> None:
-    """Write ``backend``'s state as the cache entry ``entry`` (atomically)."""
-    with artifact.writing(entry, KIND, private=True) as w:  # 0700/0600: only its owner is trusted
+    """Write ``backend``'s state as the cache entry ``entry`` (atomically), in place of a damaged one
+    (``build_through_cache`` checked it is this user's, and ``load_entry`` refused it: kept, every
+    process would build it again)."""
+    # 0700/0600: only its owner is trusted
+    with artifact.writing(entry, KIND, private=True, damaged_ok=True) as w:
         record = artifact.write_state(w, "set", backend.state())
         w.finish(
             {

@@ -59,6 +59,14 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
         raise ArtifactError(
             f"cannot save a {next(transformer.parameters()).dtype} model: use {sorted(DTYPES)}."
         )
+    for sh in [b.shapes for b in module.backends] + module.plan.shape_sets():
+        try:  # what a load accepts (``load_compiled``): refused here rather than there
+            ShapeRange.from_dict(sh.to_dict())
+        except ValueError as e:
+            raise ArtifactError(
+                f"this module plans an engine set beyond what an artifact may hold ({e}).",
+                "compile with smaller shapes (batch, resolution, text_len) to save it.",
+            ) from e
     module.build()
     cfg = module.compile_config
     originals, lora_tensors, lora_record = lora.export_state(transformer)
@@ -166,8 +174,14 @@ def load_compiled(
             shapes.append(ShapeRange.from_dict(rec["shapes"]))
         except ValueError as e:
             raise ArtifactError(f"manifest.sets[{i}]: {e}") from e
-    if config.device.startswith("cuda"):  # before the first call allocates a step's activations
-        check_memory(shapes, model, spec, torch.cuda.mem_get_info(torch.device(config.device))[0])
+    multiple = spec.multiple(model.config)
+    for i, sh in enumerate(shapes):
+        if sh.tokens != spec.tokens or sh.multiple != multiple:
+            raise ArtifactError(
+                f"manifest.sets[{i}]: a range of {'image tokens' if sh.tokens else 'latent sizes'} in "
+                f"multiples of {sh.multiple}; this {spec.class_name} takes "
+                f"{'image tokens' if spec.tokens else 'latent sizes'} in multiples of {multiple}."
+            )
 
     def restore() -> None:  # the saved LoRA, after the FP8 copies exist (they follow it)
         if m["lora"] is None and LORA not in reader.files:
@@ -199,6 +213,15 @@ def load_compiled(
         plan = Plan.resolve(config, model, spec)
     except ConfigError as e:  # a config this model or machine cannot take, as the artifact asks
         raise ArtifactError(f"manifest.config: {e}") from e
+    planned = plan.shape_sets()  # what the module builds without a saved set (none, or a new shape)
+    for sh in planned:
+        try:  # held to the limits of a set read from disk
+            ShapeRange.from_dict(sh.to_dict())
+        except ValueError as e:
+            raise ArtifactError(f"manifest.config plans an engine set beyond the limits: {e}") from e
+    if config.device.startswith("cuda"):  # before the first call allocates a step's activations
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+        check_memory(shapes + planned, model, spec, free)
     compiled = assemble(model, plan, restore=restore, backends=backends)
     compiled.load_s = time.perf_counter() - t0
     logger.info("loaded %s in %.2f s", path, compiled.load_s)
@@ -329,6 +352,9 @@ def _load_model(
         model = spec.construct(cfg)
     except Exception as e:  # diffusers' own checks (e.g. heads not dividing the width)
         raise ArtifactError(f"manifest.model.config does not make a {spec.class_name}: {str(e)[:200]}") from e
+    why = spec.config_problem(model.config)
+    if why is not None:
+        raise ArtifactError(f"manifest.model.config: {why}.")
     expected = model.state_dict()
     if set(state) != set(expected):
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

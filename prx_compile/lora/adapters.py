@@ -52,6 +52,7 @@ from ..models import spec_for
 from ..quant import fp8
 from ..runtime import follower
 from ..runtime.module import CompiledTransformer
+from ..runtime.watch import INTERNAL_HOOKS
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")
@@ -69,6 +70,9 @@ MAX_LAYER_SCALE = 1e4
 MAX_RANK = 1 << 16
 #: The largest adapter_config.json read (a real one is well under 10 kB).
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+#: the header key under which diffusers' ``save_lora_weights`` keeps each component's LoraConfig
+#: (``transformer.r``, ``transformer.lora_alpha``, ...)
+ADAPTER_METADATA = "lora_adapter_metadata"
 
 
 @dataclass
@@ -133,13 +137,15 @@ def _print(p: torch.Tensor) -> tuple:
 class LoRAKeeper:
     """Keeps a loaded LoRA applied over the base weights (``runtime.follower``'s keeper protocol):
     ``stale`` when a weight the LoRA changed was written by anything else; ``sync`` takes that write
-    as the weight's new base value (or, for a cast or a move, casts the base) and applies the active
-    adapters over it again."""
+    as the weight's new base value (or, for a cast or a move of the value the LoRA wrote, casts the
+    base) and applies the active adapters over it again."""
 
     def __init__(self, transformer: torch.nn.Module):
         self.transformer = transformer
 
     def stale(self) -> bool:
+        """Cheap, every call: a recorded weight written or replaced. (A module swapped for another
+        is the follower's to see; ``sync`` looks weights up by name.)"""
         state = self.transformer.__dict__.get("_prx_lora")
         if state is None or not state.written:
             return False
@@ -149,12 +155,15 @@ class LoRAKeeper:
                 return True
         return False
 
-    def sync(self) -> set[str]:
-        """Rebase the weights written outside the LoRA; returns the FQNs rewritten."""
+    def sync(self, *, drop_gone: bool = False) -> set[str]:
+        """Rebase the weights written outside the LoRA, found by name (a swapped module's weight is
+        its new base); returns the FQNs rewritten. Weights removed or reshaped are a LoRAError, or
+        with ``drop_gone`` (an unload) are forgotten: nothing of theirs is restored."""
         state = self.transformer.__dict__.get("_prx_lora")
         if state is None or not state.originals:
             return set()
         params = dict(self.transformer.named_parameters())
+        modules = dict(self.transformer.named_modules())
         rebased, gone = set(), []
         for fqn, base in list(state.originals.items()):
             p = params.get(fqn)
@@ -163,28 +172,53 @@ class LoRAKeeper:
                 continue
             if _print(p) == state.written.get(fqn):
                 continue
-            if (p.dtype, p.device) != (base.dtype, base.device):  # a cast or a move: the base follows
-                state.originals[fqn] = base.to(p.device, p.dtype)
-                rebased.add(fqn)
-            elif not torch.equal(
-                p, _weights_for(self.transformer, state, state.active, {fqn})[fqn].to(p.device)
-            ):
-                state.originals[fqn] = _kept(p)  # a new base value
-                rebased.add(fqn)
-        if gone:
+            merged = _merged(state, state.active, fqn, p, modules)  # what the LoRA wrote, recomputed
+            # the value the LoRA wrote, cast (or there and back through 16 bits: .half().float())
+            via = next(
+                (d for d in _cast_paths(p.dtype) if _holds(p, merged.to(p.device, d).to(p.dtype), d)), None
+            )
+            if via is None:
+                state.originals[fqn] = _kept(p)  # a new base value (whatever its dtype)
+            elif (via, p.dtype, p.device) == (base.dtype, base.dtype, base.device):
+                continue  # written again as it was (or a copy put in its place)
+            else:  # the base follows the cast or the move
+                state.originals[fqn] = base.to(p.device, via).to(p.dtype)
+            rebased.add(fqn)
+        if gone and not drop_gone:
             raise LoRAError(
                 f"weights a loaded LoRA changes were removed or reshaped ({', '.join(gone[:3])}): the LoRA "
                 "cannot stay applied.",
-                "unload_lora before changing the transformer's structure, then load the LoRA again.",
+                "unload_lora (it restores the weights that are left), then load the LoRA again.",
             )
+        for fqn in gone:
+            del state.originals[fqn]
+            state.fused.discard(fqn)
+        with torch.no_grad():
+            for fqn in sorted(rebased):  # one weight at a time: no second copy of them all
+                params[fqn].copy_(_merged(state, state.active, fqn, params[fqn], modules))
         if rebased:
-            new = _weights_for(self.transformer, state, state.active, rebased)
-            with torch.no_grad():
-                for fqn, w in new.items():
-                    params[fqn].copy_(w)
             fp8.requantize(self.transformer, rebased)
         _record(self.transformer, state)
         return rebased
+
+
+def _holds(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``p`` holds ``value`` (a merge recomputed, rounded through ``dtype``) up to what a
+    recomputation may change: a matmul's last bit depends on its buffers' alignment, and a rounding
+    to 16 bits can pass that on. So: equal, or differing in at most one element in a thousand, each
+    by at most two units in the last place of ``dtype``. New weights differ almost everywhere."""
+    differ = p != value
+    if not bool(differ.any()):
+        return True
+    if float(differ.float().mean()) > 1e-3:
+        return False
+    a, b = p[differ].float(), value[differ].float()
+    return bool(((a - b).abs() <= 2 * torch.finfo(dtype).eps * b.abs()).all())
+
+
+def _cast_paths(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a weight of ``dtype`` may have gone through in a cast that ``sync`` recognises."""
+    return (dtype,) + tuple(d for d in (torch.bfloat16, torch.float16) if d.itemsize < dtype.itemsize)
 
 
 def _record(transformer: torch.nn.Module, state: LoRAState) -> None:
@@ -199,28 +233,30 @@ def _record(transformer: torch.nn.Module, state: LoRAState) -> None:
 
 
 def _eager_sync(module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of a transformer with a LoRA: an eager call sees its base weights' edits too
-    (never while it is traced: an export reads the weights it is given)."""
+    """Forward pre-hook of a transformer with a LoRA: an eager call sees its base weights' edits and
+    swapped layers too (never while it is traced: an export reads the weights it is given)."""
     if torch.compiler.is_compiling():
         return
     keeper = follower.keepers(module).get("lora")
-    if keeper is not None and keeper.stale():
+    if keeper is not None:
         with torch.no_grad():
             keeper.sync()
 
 
 # -- reading -----------------------------------------------------------------------------------
-def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | None]:
-    """Tensors of a LoRA safetensors file (or a directory holding one) and PEFT's alpha/r if given."""
-    from safetensors import SafetensorError
+def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[float, int] | None]:
+    """Tensors of a LoRA safetensors file (or a directory holding one), and the (scale, rank) its
+    adapter config gives (``_config_scale``), if any: PEFT's ``adapter_config.json`` beside it, or the
+    ``lora_adapter_metadata`` diffusers' ``save_lora_weights`` writes in the file's header."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     p = Path(path)
-    peft_scale = None
+    config = None
     if p.is_dir():
         cfg = p / "adapter_config.json"
         if cfg.is_file():
-            peft_scale = _peft_scale(cfg)
+            config = _config_scale(_json_file(cfg), str(cfg))
         found = [p / f for f in _FILES if (p / f).is_file()]
         if not found:
             raise LoRAError(f"{p} holds no LoRA file (looked for {list(_FILES)}).")
@@ -228,16 +264,34 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], float | N
     if not p.is_file():
         raise LoRAError(f"LoRA file {p} does not exist.")
     try:
-        return load_file(str(p)), peft_scale
+        tensors = load_file(str(p))
+        with safe_open(str(p), framework="pt") as f:
+            raw = (f.metadata() or {}).get(ADAPTER_METADATA)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoRAError(
             f"{p} is not a safetensors LoRA file ({e}).", "LoRAs load from .safetensors only."
         ) from e
+    if raw is not None:
+        where = f"{p}: {ADAPTER_METADATA}"
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise LoRAError(f"{where} is not valid JSON ({type(e).__name__}).") from e
+        if not isinstance(meta, dict):
+            raise LoRAError(f"{where} must be a JSON object.")
+        # the pipeline's save_lora_weights prefixes each component's keys; a model's own
+        # save_lora_adapter writes them bare
+        mine = {k[len("transformer.") :]: v for k, v in meta.items() if k.startswith("transformer.")}
+        mine = mine or {k: v for k, v in meta.items() if "." not in k}
+        found_config = _config_scale(mine, where) if mine else None
+        if config is not None and found_config is not None and found_config != config:
+            raise LoRAError(f"{p}: its {ADAPTER_METADATA} and adapter_config.json give different alpha / r.")
+        config = config or found_config
+    return tensors, config
 
 
-def _peft_scale(path: Path) -> float | None:
-    """lora_alpha / r from a PEFT adapter_config.json (None when it gives neither): alpha a positive
-    number up to ``MAX_ALPHA``, r a positive integer up to ``MAX_RANK``."""
+def _json_file(path: Path) -> Any:
+    """The JSON of a small file (an adapter config: at most ``MAX_ADAPTER_CONFIG_BYTES``)."""
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -245,23 +299,39 @@ def _peft_scale(path: Path) -> float | None:
     if size > MAX_ADAPTER_CONFIG_BYTES:
         raise LoRAError(f"{path} is more than {MAX_ADAPTER_CONFIG_BYTES} bytes: not an adapter config.")
     try:
-        c = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise LoRAError(f"{path} is not valid JSON ({type(e).__name__}).") from e
+
+
+def _config_scale(c: Any, where: str) -> tuple[float, int] | None:
+    """(the layers' scale, their rank) from a PEFT LoraConfig as a dict (None when it gives neither
+    alpha nor r): lora_alpha / r, or lora_alpha / sqrt(r) with ``use_rslora``; alpha a positive number
+    up to ``MAX_ALPHA``, r a positive integer up to ``MAX_RANK``. Per-layer patterns
+    (``alpha_pattern``, ``rank_pattern``) are refused rather than ignored."""
     if not isinstance(c, dict):
-        raise LoRAError(f"{path} must hold a JSON object.")
-    alpha, r = c.get("lora_alpha"), c.get("r")
+        raise LoRAError(f"{where} must hold a JSON object.")
+    for key in ("alpha_pattern", "rank_pattern"):
+        if c.get(key):
+            raise LoRAError(
+                f"{where}: per-layer {key} is not supported.",
+                "merge the LoRA with PEFT, or give one alpha and r.",
+            )
+    alpha, r, rslora = c.get("lora_alpha"), c.get("r"), c.get("use_rslora", False)
     if alpha is None and r is None:
         return None
     if not _finite_number(alpha, MAX_ALPHA) or alpha <= 0:
         raise LoRAError(
-            f"{path}: lora_alpha={excerpt(alpha, 40)} must be a positive number up to {MAX_ALPHA:g}."
+            f"{where}: lora_alpha={excerpt(alpha, 40)} must be a positive number up to {MAX_ALPHA:g}."
         )
     if not _finite_number(r, MAX_RANK) or r <= 0 or (isinstance(r, float) and not r.is_integer()):
         raise LoRAError(
-            f"{path}: r={excerpt(r, 40)} must be a positive number, an integer rank up to {MAX_RANK}."
+            f"{where}: r={excerpt(r, 40)} must be a positive number, an integer rank up to {MAX_RANK}."
         )
-    return _layer_scale(float(alpha), int(r), str(path))
+    if rslora not in (True, False, None):
+        raise LoRAError(f"{where}: use_rslora={excerpt(rslora, 40)} must be true or false.")
+    r = int(r)
+    return _layer_scale(float(alpha), math.sqrt(r) if rslora else r, where), r
 
 
 def _finite_number(v: Any, limit: float = 2.0**53) -> bool:
@@ -270,12 +340,13 @@ def _finite_number(v: Any, limit: float = 2.0**53) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and -limit <= v <= limit
 
 
-def _layer_scale(alpha: float, rank: int, where: str) -> float:
-    """alpha / r, refused beyond ``MAX_LAYER_SCALE`` (LoRAError naming ``where``)."""
+def _layer_scale(alpha: float, rank: float, where: str) -> float:
+    """alpha / r (r: the rank, or its square root for rsLoRA), refused beyond ``MAX_LAYER_SCALE``
+    (LoRAError naming ``where``)."""
     scale = alpha / rank
     if not abs(scale) <= MAX_LAYER_SCALE:
         raise LoRAError(
-            f"{where}: alpha / r = {alpha:g} / {rank} = {scale:g} is beyond +-{MAX_LAYER_SCALE:g}.",
+            f"{where}: alpha / r = {alpha:g} / {rank:g} = {scale:g} is beyond +-{MAX_LAYER_SCALE:g}.",
             "the LoRA's alpha is not what it was trained with; fix it or drop it (alpha / r = 1).",
         )
     return scale
@@ -291,10 +362,13 @@ def parse_lora(
     name: str,
     *,
     strict: bool = True,
-    default_scale: float | None = None,
+    config: tuple[float, int] | None = None,
     source: str = "",
 ) -> Adapter:
     """Map LoRA tensors to the model's Linear layers and check every shape.
+
+    ``config``: (scale, rank) from the LoRA's adapter config (``read_lora_file``): the scale of every
+    layer without an alpha of its own, whose rank must then be that rank.
 
     Raises LoRAError for: no LoRA keys at all, a layer with only one of its two matrices, unknown
     layers (when ``strict``), shape or rank mismatches. ``unmatched`` lists what ``strict=False``
@@ -384,8 +458,12 @@ def parse_lora(
                 raise LoRAError(f"LoRA {name!r}: layer {mod} matrix {label} holds NaN or infinite values.")
         if mod in alphas:
             scale = _layer_scale(alphas[mod], rank, f"LoRA {name!r}: layer {mod}")
+        elif config is not None:
+            scale, r = config
+            if rank != r:
+                raise LoRAError(f"LoRA {name!r}: layer {mod} has rank {rank}; its adapter config says r={r}.")
         else:
-            scale = default_scale if default_scale is not None else 1.0
+            scale = 1.0
         dev = _compute_device(lin)
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
     if not layers:
@@ -421,19 +499,21 @@ def _target(model: Any):
     return model, None
 
 
-def _state(transformer: torch.nn.Module) -> LoRAState:
+def _state(transformer: torch.nn.Module, *, unloading: bool = False) -> LoRAState:
     """The transformer's LoRA state, made on first use (with its keeper and eager hook), and brought
-    up to date with writes to its weights made since the LoRA's last one."""
+    up to date with writes to its weights (and layers swapped) since the LoRA's last write;
+    ``unloading``: weights removed since are forgotten rather than refused."""
     state = transformer.__dict__.get("_prx_lora")
     if state is None:
         state = LoRAState()
         transformer.__dict__["_prx_lora"] = state
         follower.register(transformer, "lora", LoRAKeeper(transformer))
-        transformer.register_forward_pre_hook(_eager_sync)
+        handle = transformer.register_forward_pre_hook(_eager_sync)
+        transformer.__dict__.setdefault(INTERNAL_HOOKS, set()).add(handle.id)  # not the model's own
     keeper = follower.keepers(transformer).get("lora")
-    if keeper is not None and keeper.stale():
+    if keeper is not None:
         with torch.no_grad():
-            keeper.sync()
+            keeper.sync(drop_gone=unloading)
     return state
 
 
@@ -471,22 +551,19 @@ def _not_finite(state: LoRAState, active: dict[str, float], mod: str, dtype: tor
     )
 
 
-def _weights_for(
-    transformer, state: LoRAState, active: dict[str, float], touched: set[str]
-) -> dict[str, torch.Tensor]:
-    """New values of every weight in ``touched`` under the ``active`` adapters (nothing is modified),
-    each on its layer's ``_compute_device``. A LoRAError naming the layer when a fused weight is not
-    finite in the weight's dtype (an fp16 weight overflows at 65504)."""
-    params = dict(transformer.named_parameters())
-    modules = dict(transformer.named_modules())
-    out = {}
-    for fqn in sorted(touched):
-        mod = fqn.rsplit(".", 1)[0]
-        w0 = state.originals.get(fqn, params[fqn].detach()).to(_compute_device(modules[mod]))
-        terms = _terms(state, active, mod)
-        out[fqn] = _fuse(w0, terms, torch.empty_like(w0))
-        if terms and not bool(torch.isfinite(out[fqn]).all()):
-            raise _not_finite(state, active, mod, w0.dtype)
+def _merged(
+    state: LoRAState, active: dict[str, float], fqn: str, p: torch.Tensor, modules: dict
+) -> torch.Tensor:
+    """Weight ``fqn`` (the parameter ``p``; ``modules``: the transformer's by name) under the
+    ``active`` adapters, from its original (or ``p``), on its layer's ``_compute_device``. A
+    LoRAError naming the layer when it is not finite in the weight's dtype (an fp16 weight
+    overflows at 65504)."""
+    mod = fqn.rsplit(".", 1)[0]
+    w0 = state.originals.get(fqn, p.detach()).to(_compute_device(modules[mod]))
+    terms = _terms(state, active, mod)
+    out = _fuse(w0, terms, torch.empty_like(w0))
+    if terms and not bool(torch.isfinite(out).all()):
+        raise _not_finite(state, active, mod, w0.dtype)
     return out
 
 
@@ -571,12 +648,12 @@ def load_lora(
         raise LoRAError(
             f"an adapter named {name!r} is already loaded.", "unload_lora() first, or use another name."
         )
-    peft_scale, source = None, "state dict"
+    config, source = None, "state dict"
     if isinstance(lora, (str, Path)):
         source = str(lora)
-        lora, peft_scale = read_lora_file(lora)
+        lora, config = read_lora_file(lora)
     lora = _converted(transformer, lora, name)
-    adapter = parse_lora(lora, transformer, name, strict=strict, default_scale=peft_scale, source=source)
+    adapter = parse_lora(lora, transformer, name, strict=strict, config=config, source=source)
     state.adapters[name] = adapter
     try:
         report = _apply(transformer, compiled, state, {**state.active, name: float(scale)})
@@ -610,6 +687,8 @@ def _converted(transformer: torch.nn.Module, lora: Any, name: str) -> Any:
     a LoRAError where the conversion fails on a malformed file."""
     if not isinstance(lora, dict) or not all(isinstance(v, torch.Tensor) for v in lora.values()):
         return lora  # parse_lora names what is wrong
+    # 8-bit floats (an FP8 LoRA file): fp32 before any arithmetic (the matrices are kept in fp32)
+    lora = {k: v.float() if v.is_floating_point() and v.element_size() == 1 else v for k, v in lora.items()}
     try:
         spec = spec_for(transformer)
     except ConfigError:
@@ -631,7 +710,7 @@ def _check_scales(scales: list[Any]) -> None:
 def unload_lora(model: Any) -> dict[str, Any]:
     """Drop every adapter and restore the original weights bit for bit (and refit)."""
     transformer, compiled = _target(model)
-    state = _state(transformer)
+    state = _state(transformer, unloading=True)
     report = _apply(transformer, compiled, state, {})
     state.adapters.clear()
     state.originals.clear()
@@ -725,6 +804,15 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
             dev = _compute_device(lin)
             layers[mod] = LoRALayer(down.to(dev), up.to(dev), float(scale))
         adapters[name] = Adapter(name, layers, [], data["source"])
+    named = {
+        f"{n}/{mod}/{part}"
+        for n, d in adapters_data.items()
+        for mod in d["layers"]
+        for part in ("down", "up")
+    }
+    extra = sorted(set(tensors) - named)
+    if extra:  # as the weights file: nothing in it that its record does not account for
+        raise LoRAError(f"{len(extra)} tensor(s) the LoRA record does not name, e.g. {extra[0][:80]!r}.")
     state = _state(transformer)
     state.adapters.update(adapters)
     _apply(transformer, None, state, dict(active))

@@ -83,6 +83,11 @@ class ModelSpec(abc.ABC):
         with torch.device("meta"):
             return self.model_class()(**config)
 
+    def config_problem(self, model_config: Any) -> str | None:
+        """Why a model of ``model_config`` cannot run here though its class accepted it (None when it
+        can): what diffusers only finds at the first call."""
+        return None
+
     def constructor_defaults(self) -> dict[str, Any]:
         """The constructor's keyword arguments and their defaults (what an artifact's model config
         may set)."""

@@ -163,6 +163,18 @@ class FluxSpec(ModelSpec):
     def multiple(self, model_config: Any) -> int:
         return 1
 
+    def config_problem(self, model_config: Any) -> str | None:
+        axes = model_config.axes_dims_rope  # one RoPE axis per id column (text/index, row, column)
+        head = model_config.attention_head_dim
+        if not (
+            isinstance(axes, (list, tuple))
+            and len(axes) == 3
+            and all(type(a) is int and a > 0 and a % 2 == 0 for a in axes)
+            and sum(axes) == head
+        ):
+            return f"axes_dims_rope={axes!r:.60} must be 3 positive even sizes summing to {head}"
+        return None
+
     def point_of_pixels(self, height, width, vae_scale_factor, model_config):
         px = 2 * vae_scale_factor  # latents are packed 2x2
         if height % px or width % px:

@@ -212,6 +212,16 @@ class PRXSpec(ModelSpec):
             )
         return list(bins[family])
 
+    def config_problem(self, model_config: Any) -> str | None:
+        axes = model_config.axes_dim  # one RoPE axis per id column (row, column); None: [32, 32]
+        if axes is not None and not (
+            isinstance(axes, (list, tuple))
+            and len(axes) == 2
+            and all(type(a) is int and a > 0 and a % 2 == 0 for a in axes)
+        ):
+            return f"axes_dim={axes!r:.60} must be 2 positive even sizes"
+        return None
+
     def multiple(self, model_config: Any) -> int:
         return int(model_config.patch_size)
 

@@ -181,6 +181,12 @@ class ChangeFollower:
             stuck = [b for b in built if not b.rebind()]
             if stuck:
                 diff.structure.append(f"{', '.join(diff.swapped[:3])} swapped (the engines hold its weights)")
+        if diff.replaced and not diff.structure and not sets.needs_refit:
+            stuck = [b for b in built if not b.rebind()]  # they hold the replaced tensors themselves
+            if stuck:
+                diff.structure.append(
+                    f"{', '.join(diff.replaced[:3])} replaced (the sets hold the old tensors)"
+                )
         report: dict[str, Any] = {"rebound": diff.swapped} if diff.swapped else {}
         if diff.structure:
             self._rebuild("; ".join(diff.structure))

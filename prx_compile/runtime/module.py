@@ -29,7 +29,7 @@ from ..plan import Plan
 from ..quant import fp8
 from ..shapes import ShapeRange
 from .engine_sets import EngineSets
-from .follower import ChangeFollower
+from .follower import ChangeFollower, keepers
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,64 @@ def _delegated(name: str):
     return method
 
 
-class CompiledTransformer(torch.nn.Module):
+class _Refused:
+    """What a compiled transformer refuses, in one line each: the diffusers class methods that would
+    make a plain model under its name, diffusers' hooks that replace a module's forward (caches,
+    layerwise casting, group offload) or pick an attention backend (engines never call those
+    forwards or that attention), and tensor conversions other than ``.to(dtype)``. Its first base,
+    so these come before the transformer class's own (``_compiled_class``)."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        raise ConfigError(
+            f"{cls.__name__}.from_pretrained cannot make a compiled transformer.",
+            "load the transformer with its diffusers class and compile it; an artifact: load_compiled.",
+        )
+
+    def enable_cache(self, *args, **kwargs):
+        raise ConfigError(
+            "diffusers' caches (enable_cache) skip blocks by replacing their forward, which a compiled "
+            "transformer's engines never call.",
+            "use a cache with the eager transformer, or the compiled one without.",
+        )
+
+    def enable_layerwise_casting(self, *args, **kwargs):
+        raise ConfigError(
+            "layerwise casting replaces the layers' forward, which a compiled transformer's engines never "
+            "call.",
+            "compile with precision: fp8 for 8-bit weights, or cast the eager transformer.",
+        )
+
+    def enable_group_offload(self, *args, **kwargs):
+        raise ConfigError(
+            "group offload moves weights in the layers' forward, which a compiled transformer's engines "
+            "never call.",
+            "use pipe.enable_model_cpu_offload(); the compiled transformer stays on the GPU.",
+        )
+
+    def set_attention_backend(self, *args, **kwargs):
+        raise ConfigError(
+            "a compiled transformer's attention is chosen when it is built, not by diffusers' attention "
+            "backend.",
+            "compile with attention_kernel (auto, flash4, cudnn or split).",
+        )
+
+    @classmethod
+    def from_config(cls, *args, **kwargs):
+        raise ConfigError(
+            f"{cls.__name__}.from_config cannot make a compiled transformer.",
+            "make the transformer with its diffusers class and compile it.",
+        )
+
+    def _apply(self, fn, recurse: bool = True):
+        raise ConfigError(
+            "a compiled transformer cannot apply an arbitrary tensor conversion (.type(), .to_empty(), "
+            ".share_memory(), ...).",
+            "use .to(dtype), or convert compiled.transformer and compile it again.",
+        )
+
+
+class CompiledTransformer(_Refused, torch.nn.Module):
     """A compiled diffusers transformer with the same call signature and the transformer's module view.
 
     One copy of the weights: the transformer is held outside ``_modules`` (registering it would make
@@ -85,6 +142,7 @@ class CompiledTransformer(torch.nn.Module):
         self.follower = ChangeFollower(transformer, self.sets)
         self._forward_signature = inspect.signature(type(transformer).forward)
         self._moved_warned = False
+        self._grad_warned = False
         self._ahead = True  # replay before the change check where that is safe (``_replay_ahead``)
         self.load_s = load_s
         if type(self) is CompiledTransformer and isinstance(transformer, _model_mixin()):
@@ -161,12 +219,19 @@ class CompiledTransformer(torch.nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "_hf_hook":
             _refuse_sequential_offload(value)
+        if name == "transformer" and self.__dict__.get("_ready"):
+            raise ConfigError(
+                "a compiled transformer's transformer cannot be replaced: its engine sets were built for it.",
+                "compile the new one: compile_transformer(new_transformer).",
+            )
         if self._owns(name):
             super().__setattr__(name, value)
         else:
             setattr(self.transformer, name, value)  # noticed at the next call (``ChangeFollower``)
 
     def __delattr__(self, name: str) -> None:
+        if name == "transformer":
+            raise ConfigError("a compiled transformer's transformer cannot be deleted.")
         if self._owns(name):
             super().__delattr__(name)
         else:
@@ -210,6 +275,7 @@ class CompiledTransformer(torch.nn.Module):
         ``pipe.save_pretrained`` writes as ``transformer/``). With a LoRA loaded, the weights saved are
         the current ones, the LoRA merged at its scales (as the images are); ``save_compiled`` keeps the
         adapters apart instead."""
+        self._sync_keepers()  # base weights written since the last call: the LoRA over them
         lora = self.transformer.__dict__.get("_prx_lora")
         if lora is not None and lora.active:
             logger.warning(
@@ -227,7 +293,9 @@ class CompiledTransformer(torch.nn.Module):
         left half cast). A device move is ignored with a warning: engines live where they were built."""
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None and dtype != self.dtype:
+            self._sync_keepers()  # weights written since the last call are base values first
             self.transformer.to(dtype=dtype)
+            self._sync_keepers()  # a LoRA merged again over its cast base (rounded once)
         if device is not None and torch.device(device).type != self._device.type:
             log = logger.info if self._moved_warned else logger.warning
             log("ignoring .to(%s): the compiled transformer stays on %s", device, self._device)
@@ -252,12 +320,12 @@ class CompiledTransformer(torch.nn.Module):
     def cpu(self):
         return self.to("cpu")
 
-    def _apply(self, fn, recurse: bool = True):
-        raise ConfigError(
-            "a compiled transformer cannot apply an arbitrary tensor conversion (.type(), .to_empty(), "
-            ".share_memory(), ...).",
-            "use .to(dtype), or convert compiled.transformer and compile it again.",
-        )
+    def _sync_keepers(self) -> None:
+        """Bring what keepers derive from the weights (a loaded LoRA) up to date now, not at the next
+        call: before a cast or a save, so that it sees every write made since the last call."""
+        with torch.no_grad():
+            for keeper in keepers(self.transformer).values():
+                keeper.sync()
 
     # -- build ----------------------------------------------------------------------------------
     def build(self, example: dict[str, Any] | None = None) -> CompiledTransformer:
@@ -317,6 +385,8 @@ class CompiledTransformer(torch.nn.Module):
                 "transformer cannot apply.",
                 "unload them and use prx_compile.load_lora, which updates the weights the engines read.",
             )
+        if torch.is_grad_enabled() and self.transformer.training and not self._grad_warned:
+            self._warn_no_grad()
         with torch.no_grad():
             inputs = self._inputs(args, kwargs)
             out = self._replay_ahead(inputs)
@@ -328,6 +398,17 @@ class CompiledTransformer(torch.nn.Module):
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+    def _warn_no_grad(self) -> None:
+        """Called in training mode with autograd on: where the transformer's weights ask for
+        gradients, say once that none flow (the engines run inference only). A call in eval mode
+        (diffusers' ``from_pretrained`` gives one) without ``torch.no_grad()`` is inference."""
+        if any(p.requires_grad for p in self.transformer.parameters()):
+            logger.warning(
+                "the compiled transformer runs inference only: its output carries no gradient (call it "
+                "under torch.no_grad(), as pipelines do; train the eager transformer)."
+            )
+        self._grad_warned = True  # looked once
 
     def _replay_ahead(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The step replayed from its captured CUDA graph before the transformer is checked for
@@ -563,6 +644,9 @@ def compile_transformer(
             "this transformer is compiled already.", "pass compiled.transformer to compile it again."
         )
     spec = spec_for(transformer)  # an unsupported class is refused here, in one line
+    why = spec.config_problem(transformer.config)
+    if why is not None:
+        raise ConfigError(f"this {type(transformer).__name__} cannot run: {why}.")
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -348,7 +349,8 @@ def read_prompts(path: str | Path) -> list[str]:
     prompt and every later image keeps its index; blank lines are skipped, ends stripped."""
     f = Path(path)
     if not f.is_file():
-        raise CLIError(f"prompts file {f} does not exist.")
+        what = "is not a regular file" if os.path.lexists(f) else "does not exist"  # a FIFO, a device
+        raise CLIError(f"prompts file {f} {what}.")
     if f.stat().st_size > MAX_PROMPTS_BYTES:
         raise CLIError(f"prompts file {f} is more than {MAX_PROMPTS_BYTES >> 20} MiB.")
     try:
@@ -692,6 +694,22 @@ def _positive(text: str) -> int:
     return v
 
 
+#: the largest guidance scale the CLI takes (pipelines use 1-10; beyond, images saturate)
+MAX_GUIDANCE = 100.0
+
+
+def _guidance(text: str) -> float:
+    try:
+        v = float(text) if len(text) <= 32 else math.nan
+    except ValueError:
+        v = math.nan
+    if not 0.0 <= v <= MAX_GUIDANCE:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"{excerpt(text)} is not a guidance scale from 0 to {MAX_GUIDANCE:g}"
+        )
+    return v
+
+
 class _Parser(argparse.ArgumentParser):
     """No abbreviations (``--step 2`` is not silently ``--steps``), and an unknown option gets the
     closest known ones as a suggestion."""
@@ -848,7 +866,7 @@ def parser() -> argparse.ArgumentParser:
         "--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png, NNN the prompt's index)"
     )
     g.add_argument("--steps", type=_positive, default=28, help="denoising steps")
-    g.add_argument("--guidance", type=float, default=4.0, help="guidance scale (> 1 doubles the batch)")
+    g.add_argument("--guidance", type=_guidance, default=4.0, help="guidance scale (> 1 doubles the batch)")
     g.add_argument("--height", type=_positive, help="pixels; default: the first engine set's size")
     g.add_argument("--width", type=_positive, help="pixels; default: the first engine set's size")
     g.add_argument(
