@@ -94,10 +94,11 @@ class CompileConfig:
         stay, so a LoRA re-quantises the layers it changes. Needs ``weights: inputs``.
     fp8_masters: with ``precision: fp8``, where those exact weights (the block linears' ``weight``
         parameters, which the step never reads) are kept: "device" (the default) beside their FP8
-        copies; "host", in pinned CPU memory, so the device holds the FP8 copies only (FLUX.1: 4.7
-        GB less than eager bf16 instead of 8.9 GB more). A LoRA then merges beside the FP8 copy and
-        copies the result into the master, which is copied back to be re-quantised (FLUX.1: a switch
-        1.25 s instead of 0.33 s; host memory about twice the masters' bytes; docs/fp8.md).
+        copies; "host", in pinned CPU memory, so the device holds the FP8 copies only (FLUX.1: 5.6
+        GB less than eager bf16 instead of 10.2 GB more). A LoRA then merges on the GPU beside the FP8
+        copy, re-quantises it there and copies the merged weight into the master (FLUX.1: a switch
+        0.75 s instead of 0.13 s, ``flux_v25_fp8_lora_h200.json``; host memory about twice the
+        masters' bytes; docs/fp8.md).
     attention: "fused": each PRX attention core (QK RMSNorm, RoPE, joint text+image attention) is one
         ``prx_compile::prx_attention`` op between engines (Triton + cuDNN on the GPU);
         "flash": the lowering rule's ``joint_attention`` op between engines (TensorRT does norm/RoPE);
@@ -116,9 +117,9 @@ class CompileConfig:
         ``prx_attention_cudnn_fp8``, cuDNN's FP8 SDPA with one scale per tensor): true, FP8 kernels
         only (each engine set measures them and keeps the fastest); false, bf16 only
         (``attention_kernel``); "auto" (the default), both kinds are candidates and each engine set
-        keeps the fastest within its error bound (``ops.choice``). At 7B (heads of 128) the bf16
-        FlashAttention-4 call won (0.70 ms against 0.87 ms for the best FP8 tiling,
-        ``peers_v18_pixel_h200.json``).
+        keeps the fastest within its error bound (``ops.choice``). At 7B (heads of 128) cuDNN's FP8
+        SDPA won (0.633 ms, against 0.701 for the bf16 FlashAttention-4 call and 0.874 for the best
+        of our tilings, ``peers_v23_pixel_fp8_h200.json``).
     attention_kernel: with ``attention: fused``, how the bf16 attention runs: "flash4", one
         FlashAttention-4 call per block over a key-padding layout (``prx_attention_flash4``; the
         ``flash4`` extra, ``pip install 'prx_compile[flash4]'``; measured on Hopper, elsewhere it
@@ -128,7 +129,7 @@ class CompileConfig:
         extra); "auto" (the default), every installed one and "split" are candidates: each engine
         set runs them at its own shape and keeps the fastest (``ops.choice``; ``report()`` shows
         the timings). FLUX's dense attention: "flash4", "cudnn" (cuDNN's fused attention through
-        torch, no extra), "split" (PyTorch's SDPA), "auto" all of them. All are exact.
+        torch, no extra), "split" (PyTorch's SDPA), "auto" all of them installed. All are exact.
     fuse_mlp_gate: where an engine set runs its linears in PyTorch (``static_linears`` /
         ``range_linears: torch``) and cuDNN's frontend is installed (the ``cudnn`` extra), the MLP
         gate ``gelu_tanh(gate_proj(x)) * up_proj(x)`` may run as one cuDNN GEMM with the GELU and the

@@ -241,6 +241,8 @@ def _attention_candidates(config: CompileConfig, spec: ModelSpec) -> tuple[str, 
     kernels (each tiling) the only candidates, "auto" adds them first, false leaves them out."""
     kernel = config.attention_kernel
     packages = {"flash4": flash4_attention.installed, "cudnn": cudnn_attention.installed}
+    if spec.attention == "dense":
+        packages["cudnn"] = lambda: True  # cuDNN through PyTorch's SDPA: no extra
     if kernel in packages and not packages[kernel]():
         needs = {
             "flash4": "FlashAttention-4 (the flash-attn-4 package)",

@@ -3,6 +3,7 @@
 script and ``python -m prx_compile`` here, generate's workers in ``tests/test_generate.py``."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -104,8 +105,9 @@ def test_generate_tiny_to_png(tmp_path):
         "002-a-red-car-on-the-moon.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    leftovers = [p.name for p in (tmp_path / "out").iterdir() if p.suffix != ".png"]
-    assert leftovers == ["summary.json"]  # no temporary files or run records left
+    leftovers = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix != ".png")
+    assert leftovers == [".prx-generate", "summary.json"]  # no temporary files or run records left
+    assert [p.name for p in (tmp_path / "out" / ".prx-generate").iterdir()] == ["made.json"]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["images"], summary["processes"], summary["missing"]) == (3, 1, [])
     assert "3/3 images in" in r.stdout
@@ -239,6 +241,8 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         (["generate", "--prompts-file", "/dev/zero"], "prompts file /dev/zero is not a regular file"),
         (["generate", "--prompts-file", "/tmp"], "prompts file /tmp is not a regular file"),
         (["generate", "--steps", "1"], "no prompt given"),
+        (["generate", "--prompt", "x", "--num-processes", "100000"], "CPU cores and no GPU"),
+        (["generate", "--prompt", "x", "--seed", "-5"], "seed=-5: image i uses seed + i"),
         (["inspect", "/no/such/artifact"], "no such directory"),
         (["build", "--tiny", "--config", "prx-9000", "--out", "/tmp/x"], "no preset named 'prx-9000'"),
         (
@@ -334,3 +338,18 @@ def test_build_prints_a_digest_that_inspect_shows_and_generate_checks(tiny_artif
     r = run(*base, "--artifact", str(art), "--digest", digest)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o" / "000-a-cat.png").is_file()
+
+
+def test_bench_plot_reads_only_a_results_file(tmp_path):
+    """A FIFO is refused unread (0.26 waited on it), a file without records or with odd ones is one
+    line, exit 2."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "other.json").write_text('{"x": 1}')
+    (tmp_path / "odd.json").write_text('{"records": [{"ms_per_step": 1}]}')
+    for name, message in (
+        ("fifo", "is not a results file"),
+        ("other.json", "no list of records"),
+        ("odd.json", "is not a bench results file (KeyError"),
+    ):
+        r = run("bench", "--plot", str(tmp_path / name))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

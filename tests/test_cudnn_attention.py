@@ -77,6 +77,16 @@ def test_a_kernel_without_its_package_is_a_config_error(monkeypatch, kernel, mes
         plan_of(attention_kernel=kernel)
 
 
+def test_flux_takes_cudnn_without_the_extra(monkeypatch):
+    """FLUX's dense attention reaches cuDNN through PyTorch's SDPA: the frontend is not needed."""
+    from prx_compile import compile_transformer
+    from prx_compile.tools.testing import make_flux
+
+    monkeypatch.setattr(cudnn_attention, "installed", lambda: False)
+    ct = compile_transformer(make_flux(), backend="eager", device="cpu", attention_kernel="cudnn")
+    assert ct.plan.attention_candidates == ("cudnn",)
+
+
 def test_lowering_settings_take_only_the_known_kernels():
     with pytest.raises(ConfigError, match=r"padded_attention='flash3' is not one of"):
         LoweringSettings(padded_attention="flash3")

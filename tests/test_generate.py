@@ -99,7 +99,26 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference, capfd):
     assert all(line.startswith("prx-compile: generate: ") for line in progress_lines), r.stderr
     assert progress_lines[-1].startswith("prx-compile: generate: 7/7 images")
     assert "7/7 images in" in r.stdout and "rank 1 (" in r.stdout
-    assert sorted(p.name for p in out.iterdir()) == sorted([*reference, "summary.json"])  # no leftovers
+    assert sorted(p.name for p in out.iterdir()) == sorted([*reference, ".prx-generate", "summary.json"])
+    assert [p.name for p in (out / ".prx-generate").iterdir()] == [
+        "made.json"
+    ]  # what made them; no leftovers
+
+
+def test_a_rank_that_dies_before_joining_stops_the_others_at_once(work, capfd):
+    """0.26 let the others wait for it in the rendezvous for 10 minutes, then fail."""
+    out = work / "early"
+    t0 = time.monotonic()
+    path = os.pathsep.join(p for p in (KILL_RANK, os.environ.get("PYTHONPATH")) if p)
+    kill = {"PRX_TEST_KILL_RANK": "1", "PRX_TEST_KILL_EARLY": "1", "PYTHONPATH": path}
+    r = run(work, "--num-processes", "2", "--out-dir", str(out), env=kill)
+    assert time.monotonic() - t0 < 120, r.stderr  # not START_TIMEOUT_S
+    capfd.readouterr()
+    assert r.returncode == 1, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"][1]["status"] == "killed by SIGKILL"
+    assert "ended before the processes could start together" in summary["ranks"][0]["status"]
+    assert len(summary["missing"]) == 7
 
 
 def test_a_killed_rank_is_reported_and_a_rerun_fills_it_in(work, reference, capfd):
@@ -205,7 +224,8 @@ def test_api_under_a_torchrun_style_launch_a_failing_prompt_does_not_stop_the_ot
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"][0]["failed"] == {"3": "RuntimeError: the robot broke the pipeline"}
     assert summary["ranks"][1]["written"] == [4, 5, 6]
-    assert not (out / ".prx-generate").exists()  # the ranks' records live on in the summary only
+    # the ranks' records live on in the summary only; what made the images stays for a resume
+    assert [p.name for p in (out / ".prx-generate").iterdir()] == ["made.json"]
 
 
 def test_help_says_how_seeds_are_chosen_and_bad_input_is_one_line(work, tmp_path):
@@ -374,3 +394,78 @@ def test_records_without_the_run_token_are_ignored_with_a_warning(tmp_path, capl
     warned = [r.getMessage() for r in caplog.records]
     assert sum("rank-0.json is not from this run" in m for m in warned) == 1
     assert sum("rank-1.json is not from this run" in m for m in warned) == 1
+
+
+class _Image:
+    def __init__(self, seed):
+        self.seed = seed
+
+    def save(self, f, format):  # noqa: A002 - PIL's name
+        from PIL import Image
+
+        Image.new("RGB", (4, 4), (self.seed % 256, 0, 0)).save(f, format=format)
+
+
+class _Pipe:
+    """A stand-in pipeline: a 4x4 PNG whose colour is the call's seed (what the checks below read)."""
+
+    calls = 0
+    transformer = None  # not compiled: the size is the call's
+
+    def __call__(self, prompt, generator, **kw):
+        _Pipe.calls += 1
+
+        class Out:
+            images = [_Image(int(generator.initial_seed()))]
+
+        return Out()
+
+
+def test_a_resume_keeps_only_images_this_run_would_make(tmp_path):
+    """0.26 kept any file with an image's name: images of other settings (reported as this run's),
+    of another prompt with the same first 40 letters, a copy cut short."""
+    out = tmp_path / "out"
+    job = dict(steps=2, height=4, width=4, show_progress=False)
+    assert generate_images(lambda d: _Pipe(), ["a cat", "a dog"], out, **job)["missing"] == []
+    with pytest.raises(ConfigError, match=r"holds images made with other settings \(seed, steps\)"):
+        generate_images(lambda d: _Pipe(), ["a cat", "a dog"], out, **{**job, "steps": 7}, seed=99)
+    with pytest.raises(ConfigError, match=r"000-a-cat.png was made for another prompt \(1 image"):
+        generate_images(lambda d: _Pipe(), ["A CAT!", "a dog"], out, **job)  # the same file name
+    calls = _Pipe.calls
+    (out / "001-a-dog.png").write_bytes((out / "001-a-dog.png").read_bytes()[:20])  # cut short
+    summary = generate_images(lambda d: _Pipe(), ["a cat", "a dog", "a fox"], out, **job)
+    assert summary["missing"] == [] and _Pipe.calls == calls + 2  # the cut copy and the new prompt
+    # --no-resume makes them all, and records the new settings once every image is made
+    generate_images(lambda d: _Pipe(), ["a cat", "a dog", "a fox"], out, **{**job, "steps": 7}, resume=False)
+    generate_images(lambda d: _Pipe(), ["a cat", "a dog", "a fox"], out, **{**job, "steps": 7})
+    assert _Pipe.calls == calls + 5
+
+
+@pytest.mark.parametrize(
+    "prompts, seed, match",
+    [
+        (["x" * 10_001], 0, "prompt 0 has 10001 characters, more than 10000"),
+        (["a", "b"], 2**63 - 1, r"seed=9223372036854775807: image i uses seed \+ i"),
+        (["a"], -1, r"seed=-1: image i uses seed \+ i"),
+    ],
+)
+def test_prompts_and_seeds_torch_cannot_take_are_refused_before_any_work(tmp_path, prompts, seed, match):
+    with pytest.raises(ConfigError, match=match):
+        generate_images(lambda d: pytest.fail("no model loaded"), prompts, tmp_path, seed=seed)
+
+
+def test_a_rank_record_over_a_megabyte_is_read_whole(tmp_path):
+    """120,000 prompts all made already: the record lists them (1 MB), and 0.26 read it cut short,
+    then waited for it forever."""
+    prompts = [f"p{i}" for i in range(120_000)]
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(tmp_path / "one.png", "wb") as f:
+        _Image(1).save(f, "PNG")
+    data = (tmp_path / "one.png").read_bytes()
+    for i, p in enumerate(prompts):
+        (out / image_name(i, p)).write_bytes(data)
+    t = time.perf_counter()
+    summary = generate_images(lambda d: pytest.fail("no model loaded"), prompts, out, show_progress=False)
+    assert summary["missing"] == [] and summary["images"] == 120_000
+    assert time.perf_counter() - t < 120

@@ -63,7 +63,7 @@ def check_trusted(path: Path, *, follow: bool = False) -> None:
         st = os.stat(path) if follow else os.lstat(path)
     except OSError as e:
         raise ArtifactError(f"engine cache: {path} cannot be examined ({e.strerror}).") from e  # damaged
-    other = "use an engine cache directory of your own (engine_cache_dir, or $PRX_COMPILE_CACHE)"
+    other = "use an engine cache directory of your own (engine_cache_dir; the CLI's $PRX_COMPILE_CACHE)"
     if stat.S_ISLNK(st.st_mode):
         raise UntrustedCacheError(
             f"engine cache: {path} is a symbolic link, and cache entries are never followed.",

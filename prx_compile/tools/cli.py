@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
 import time
 from collections import Counter
@@ -485,12 +486,19 @@ def _pipeline_factory(args):
 def cmd_generate(args) -> int:
     """Prompts to PNG files, with a compiled transformer (fresh, or loaded from --artifact), in this
     process or, split by prompt index, in --num-processes processes (or under accelerate launch)."""
-    from .generate import RUN_ENV, format_summary, generate_images, launch
+    from .generate import RUN_ENV, check_job, format_summary, generate_images, launch, made_record
 
-    prompts = _prompts(args)
+    prompts = check_job(_prompts(args), args.steps, args.seed)  # long prompts, seeds out of range
     n = args.num_processes
     if n is not None and n < 1:
         raise CLIError(f"--num-processes {n}: must be 1 or more.", "use 1 per GPU, e.g. --num-processes 2.")
+    if n is not None and n > 1 and not _cuda() and n > (os.cpu_count() or 1):
+        raise CLIError(
+            f"--num-processes {n}: this machine has {os.cpu_count()} CPU cores and no GPU.",
+            "use at most one process per core, or a GPU each.",
+        )
+    if n is not None:
+        n = min(n, len(prompts))  # a process without a prompt would only load the model
     # what every process would refuse alike is refused here, once, as one line
     _check_size(args, _config(args, _backend(args)))
     if args.checkpoint and not (Path(args.checkpoint) / "model_index.json").is_file():
@@ -508,6 +516,25 @@ def cmd_generate(args) -> int:
             f"{os.environ['WORLD_SIZE']} (accelerate launch or torchrun).",
             "leave --num-processes out under accelerate launch.",
         )
+    # what decides the images, as every process computes it: a resume holds the folder to it
+    # without compiling there is no engine set to take the size from: the tiny model's, else 1024
+    tiny = TINY[args.model]["resolution"]
+    eager_size = (1024 if args.checkpoint or args.random_full else tiny) if args.no_compile else None
+    job = dict(
+        steps=args.steps,
+        guidance=args.guidance,
+        height=args.height or eager_size,
+        width=args.width or eager_size,
+        seed=args.seed,
+        pipeline_kwargs=(
+            {"max_sequence_length": _config(args, _backend(args)).text_len[1]}
+            if args.model == "flux"
+            else {"use_resolution_binning": _binning(args)}
+        ),
+        # the model family and the config (its default size): where the weights come from (a
+        # checkpoint, --tiny, an artifact built from them) is not recorded
+        made_with={"model": args.model, "config": args.config},
+    )
     if n is not None and n > 1 and not worker:
         if _cuda():
             import torch
@@ -528,28 +555,16 @@ def cmd_generate(args) -> int:
             summary_path=args.summary,
             settings=settings,
             show_progress=not args.quiet,
+            made=made_record(prompts, **job),
         )
     else:
-        # without compiling there is no engine set to take the size from: the tiny model's, else 1024
-        tiny = TINY[args.model]["resolution"]
-        eager_size = (1024 if args.checkpoint or args.random_full else tiny) if args.no_compile else None
-        extra = (
-            {"max_sequence_length": _config(args, _backend(args)).text_len[1]}
-            if args.model == "flux"
-            else {"use_resolution_binning": _binning(args)}
-        )
         summary = generate_images(
             _pipeline_factory(args),
             prompts,
             args.out_dir,
-            steps=args.steps,
-            guidance=args.guidance,
-            height=args.height or eager_size,
-            width=args.width or eager_size,
-            seed=args.seed,
             resume=args.resume,
             summary_path=args.summary,
-            pipeline_kwargs=extra,
+            **job,
         )
         import torch.distributed as dist
 
@@ -568,15 +583,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+#: the largest bench results file --plot reads
+MAX_RESULTS_BYTES = 64 << 20
+
+
+def _bench_results(path: Path) -> dict:
+    """A bench results JSON (``{"records": [...]}``): a regular file of at most ``MAX_RESULTS_BYTES``
+    (a FIFO or a device is refused, not read), or a CLIError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CLIError(f"--plot {path} cannot be read ({e.strerror}).") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RESULTS_BYTES:
+            raise CLIError(f"--plot {path} is not a results file (a regular file of at most 64 MiB).")
+        data = json.loads(os.read(fd, MAX_RESULTS_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CLIError(f"--plot {path} is not valid JSON ({type(e).__name__}).") from e
+    finally:
+        os.close(fd)
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise CLIError(f"--plot {path} is not a bench results file (no list of records).")
+    return data
+
+
 def cmd_bench(args) -> int:
     """Per-step latency, build time, memory and accuracy of the chosen paths, in one process."""
     from .bench import PATHS, Case, compile_path, failures, plot, run_bench, table
     from .testing import FULL_PRX, make_prx
 
     if args.plot:
-        result = json.loads(Path(args.plot).read_text())
+        result = _bench_results(Path(args.plot))
         png = args.png or Path(args.plot).with_suffix(".png")
-        plot(result, png)
+        try:
+            plot(result, png)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CLIError(
+                f"{args.plot} is not a bench results file ({type(e).__name__}: {one_line(e, 100)})."
+            ) from e
         print(f"wrote {png}")
         return 0
     if args.model != "prx":

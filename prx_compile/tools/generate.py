@@ -43,6 +43,7 @@ engine builds, which happen in the pipeline factory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -137,16 +138,18 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_atomic(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from a regular file (no link, FIFO or device; at most 1 MB), else None."""
+def _read_json(path: Path, limit: int = 1 << 20) -> dict[str, Any] | None:
+    """A JSON object from a regular file (no link, FIFO or device; at most ``limit`` bytes: a longer
+    one is None, never read cut short), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             return None
-        data = json.loads(os.read(fd, 1 << 20))
+        data = json.loads(os.read(fd, limit))
     except (OSError, ValueError, RecursionError):
         return None
     finally:
@@ -178,12 +181,85 @@ def _remove_old_runs(out_dir: Path, keep: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+#: a PNG's first 8 bytes, and its last 12 (the IEND chunk: a file cut short has none)
+_PNG_HEAD = b"\x89PNG\r\n\x1a\n"
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
+
+
 def _is_png(path: Path) -> bool:
-    """Is ``path`` a regular file (not a folder, a link or a device)? Only those count as images."""
+    """Is ``path`` a whole PNG: a regular file (not a folder, a link or a device) that starts and ends
+    as PNGs do? Only those count as images (a copy cut short or an empty file is made again)."""
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < len(_PNG_HEAD) + len(_PNG_END):
+            return False
+        return os.pread(fd, 8, 0) == _PNG_HEAD and os.pread(fd, 12, st.st_size - 12) == _PNG_END
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+#: what made a folder's images (``_check_made``)
+MADE = "made.json"
+
+
+def made_record(
+    prompts: Sequence[str],
+    *,
+    seed: int,
+    steps: int,
+    guidance: float,
+    height: int | None,
+    width: int | None,
+    pipeline_kwargs: dict[str, Any] | None = None,
+    made_with: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The record of what makes a job's images (``generate_images``' arguments of the same names):
+    its settings (as JSON reads them back) and each prompt's sha256 (16 hex digits), by index."""
+    settings = dict(
+        seed=seed,
+        steps=steps,
+        guidance=guidance,
+        height=height,
+        width=width,
+        pipeline_kwargs=pipeline_kwargs or {},
+        made_with=made_with,
+    )
+    return {
+        "settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
+        "prompts": [hashlib.sha256(p.encode("utf-8", "surrogatepass")).hexdigest()[:16] for p in prompts],
+    }
+
+
+def _check_made(out_dir: Path, names: list[str], made: dict[str, Any]) -> None:
+    """A ConfigError, before any work, where ``out_dir`` holds PNGs that a run with other settings
+    made, or made for another prompt at their index (names keep only 40 letters of a prompt): a
+    resume keeps only images this run would make. A folder without a record (0.26's) is trusted."""
+    old = _read_json(_status_root(out_dir) / MADE, limit=(1 << 20) + 20 * len(names))
+    with os.scandir(out_dir) as it:
+        present = {e.name for e in it}
+    if old is None or not any(n in present for n in names):  # nothing of this job's there to keep
+        return
+    hint = "pass --no-resume (resume=False) to make them all again, or use another --out-dir."
+    if old.get("settings") != made["settings"]:
+        before = old.get("settings") if isinstance(old.get("settings"), dict) else {}
+        diff = [k for k in sorted(made["settings"]) if before.get(k) != made["settings"][k]]
+        raise ConfigError(f"{out_dir} holds images made with other settings ({', '.join(diff)}).", hint)
+    hashes = old.get("prompts") if isinstance(old.get("prompts"), list) else []
+    clash = [
+        i
+        for i, h in enumerate(made["prompts"])
+        if i < len(hashes) and hashes[i] != h and _is_png(out_dir / names[i])
+    ]
+    if clash:
+        raise ConfigError(
+            f"{out_dir / names[clash[0]]} was made for another prompt ({len(clash)} image(s) so).", hint
+        )
 
 
 def _finished(out_dir: Path, names: list[str], resume: bool, since: float) -> list[bool]:
@@ -455,8 +531,9 @@ def _run_share(
             record["generate_end"] = time.time()
             if on_image is not None:
                 on_image()
-        if record["written"]:
-            record["images_per_s"] = round(len(record["written"]) / record["generate_s"], 4)
+        elapsed = time.perf_counter() - t1  # unrounded: a fast pipeline's 0.0 s divides by zero
+        if record["written"] and elapsed > 0:
+            record["images_per_s"] = round(min(len(record["written"]) / elapsed, 1e9), 4)
         transformer = getattr(pipe, "transformer", None)
         if isinstance(transformer, CompiledTransformer):  # engine sets built here / loaded
             record["engine_builds"] = transformer.builds
@@ -529,7 +606,7 @@ def _coordinate(
     foreign: set[int] = set()
 
     def read(r: int) -> dict[str, Any] | None:
-        rec = _read_json(run_dir / f"rank-{r}.json")
+        rec = _read_json(run_dir / f"rank-{r}.json", limit=(1 << 20) + 400 * len(prompts))
         if rec is not None and rec.get("token") != token:
             if r not in foreign:
                 foreign.add(r)
@@ -658,7 +735,15 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check(prompts: Any, steps: Any) -> list[str]:
+#: the longest prompt taken: text encoders read a few hundred tokens, and diffusers' prompt cleaning
+#: takes time quadratic in a prompt's length (a 1 MB prompt: minutes)
+MAX_PROMPT_CHARS = 10_000
+
+
+def check_job(prompts: Any, steps: Any, seed: Any = 0) -> list[str]:
+    """The prompts as a list, or a ConfigError naming what is wrong: not a list of strings, none, a
+    prompt over ``MAX_PROMPT_CHARS``, steps < 1, or seeds (``seed`` + index) outside what torch's
+    generators take."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise ConfigError("prompts must be a list of strings.", "pass e.g. ['a cat', 'a dog'].")
     if not prompts:
@@ -666,8 +751,19 @@ def _check(prompts: Any, steps: Any) -> list[str]:
     bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     if bad:
         raise ConfigError(f"prompt {bad[0]} is a {type(prompts[bad[0]]).__name__}, not a string.")
+    long = [i for i, p in enumerate(prompts) if len(p) > MAX_PROMPT_CHARS]
+    if long:
+        raise ConfigError(
+            f"prompt {long[0]} has {len(prompts[long[0]])} characters, more than {MAX_PROMPT_CHARS}.",
+            "text encoders read a few hundred tokens: shorten it.",
+        )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} must be a positive integer.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**63 - len(prompts):
+        raise ConfigError(
+            f"seed={excerpt(seed)}: image i uses seed + i, which must stay within 0 and 2**63 - 1.",
+            f"use a seed from 0 to 2**63 - {len(prompts)}.",
+        )
     return list(prompts)
 
 
@@ -686,6 +782,7 @@ def generate_images(
     summary_path: str | Path | None = None,
     pipeline_kwargs: dict[str, Any] | None = None,
     show_progress: bool | None = None,
+    made_with: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Make one PNG per prompt in ``out_dir``, split over the processes of this run (see the module).
 
@@ -697,10 +794,14 @@ def generate_images(
         out_dir: where ``<i>-<slug>.png`` go (created).
         steps, guidance: denoising steps and guidance scale.
         height, width: pixels; default: the compiled transformer's first engine set, else the pipeline's.
-        resume: keep PNGs that exist (default); False makes every image again.
+        resume: keep PNGs that exist (default): whole PNGs, made by a run with the same settings and
+            ``made_with`` for the same prompt at their index (else a ConfigError, before any work);
+            False makes every image again.
         summary_path: the summary JSON (default ``<out_dir>/summary.json``).
         pipeline_kwargs: more keyword arguments for every pipeline call.
         show_progress: the job's bar on the coordinator; default: as ``prx_compile.progress.reporting``.
+        made_with: what else decides the images (the model and its config; JSON), recorded beside the
+            settings in ``<out_dir>/.prx-generate/made.json``.
 
     Returns:
         On the coordinating process (rank 0; the only one without accelerate): the summary, with
@@ -708,12 +809,25 @@ def generate_images(
         done. On the other ranks: that rank's record (``"kind": "rank"``).
 
     Raises:
-        ConfigError: no prompts, a prompt that is not a string, or steps < 1.
+        ConfigError: bad prompts, steps or seed (``check_job``); with ``resume``, PNGs in ``out_dir``
+            that other settings or other prompts made (``_check_made``).
     """
-    prompts = _check(prompts, steps)
+    prompts = check_job(prompts, steps, seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [image_name(i, p) for i, p in enumerate(prompts)]
+    made = made_record(
+        prompts,
+        seed=seed,
+        steps=steps,
+        guidance=guidance,
+        height=height,
+        width=width,
+        pipeline_kwargs=pipeline_kwargs,
+        made_with=made_with,
+    )
+    if resume:
+        _check_made(out_dir, names, made)
     started = time.time()
     state, device = _process()
     run_id, token, coordinates = _run_id(state)
@@ -722,6 +836,8 @@ def generate_images(
         _remove_old_runs(out_dir, keep=run_id)
     run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if coordinates and resume:  # what the images kept and made are: the next resume holds them to it
+        _write_json(run_dir.parent / MADE, made)
     show = progress.enabled() if show_progress is None else show_progress
     bar = (
         _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show) if coordinates else None
@@ -786,6 +902,9 @@ def generate_images(
         prompts, names, world, records, ended, finished, run_id=run_id, started=started, settings=settings
     )
     _finish(summary, out_dir, run_dir, summary_path)
+    if not resume and not summary["missing"]:  # every image is this run's now
+        _status_root(out_dir).mkdir(exist_ok=True)
+        _write_json(_status_root(out_dir) / MADE, made)
     return summary
 
 
@@ -799,6 +918,7 @@ def launch(
     summary_path: str | Path | None = None,
     settings: dict[str, Any] | None = None,
     show_progress: bool = True,
+    made: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``command`` (a process that calls ``generate_images`` with these prompts, e.g.
     ``python -m prx_compile generate ...``) as ``num_processes`` ranks on this machine, and coordinate
@@ -807,6 +927,8 @@ def launch(
     The workers get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as
     torchrun sets them; the rendezvous store lives here (as torchrun's agent holds it), so it outlives
     every worker. A worker that ends without its record (killed, crashed) is reported, never waited for.
+    ``made``: what makes the images (``made_record``), held against the folder's (``resume``) and
+    recorded, as ``generate_images`` does.
     """
     from torch.distributed import TCPStore
 
@@ -814,11 +936,15 @@ def launch(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [image_name(i, p) for i, p in enumerate(prompts)]
+    if made is not None and resume:
+        _check_made(out_dir, names, made)
     started = time.time()
     run_id, token = uuid.uuid4().hex[:16], secrets.token_hex(16)
     _remove_old_runs(out_dir, keep=run_id)
     run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(mode=0o700, parents=True)
+    if made is not None and resume:
+        _write_json(run_dir.parent / MADE, made)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {
         **os.environ,
@@ -841,9 +967,22 @@ def launch(
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
             workers.append(subprocess.Popen(command, env=rank_env))
 
+        early: list[int] = []  # ranks that ended before the group formed (no start record)
+        stopped: set[int] = set()
+
         def gone(r: int) -> str | None:
             code = workers[r].poll()
-            return None if code is None else _exit_reason(code)
+            joined = (run_dir / f"rank-{r}.start.json").exists()  # written once the group formed
+            if code is None:
+                if early and not joined and r not in stopped:  # it would wait for them for minutes
+                    workers[r].terminate()
+                    stopped.add(r)
+                return None
+            if r in stopped:
+                return f"stopped: rank {early[0]} ended before the processes could start together"
+            if not joined and r not in early:
+                early.append(r)
+            return _exit_reason(code)
 
         records, ended, finished = _coordinate(
             prompts,
@@ -888,4 +1027,7 @@ def launch(
         settings={"out_dir": str(out_dir), **(settings or {})},
     )
     _finish(summary, out_dir, run_dir, summary_path)
+    if made is not None and not resume and not summary["missing"]:
+        _status_root(out_dir).mkdir(exist_ok=True)
+        _write_json(_status_root(out_dir) / MADE, made)
     return summary

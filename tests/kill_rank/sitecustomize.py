@@ -1,7 +1,8 @@
 """Put on the PYTHONPATH of ``generate``'s workers by tests/test_generate.py: the worker whose
 ``RANK`` equals ``PRX_TEST_KILL_RANK`` kills itself with SIGKILL once its pipeline is loaded, at the
-point where it would wait for its peers before its first image. The product has no hook for this:
-``prx_compile.tools.generate`` is patched here as it is imported."""
+point where it would wait for its peers before its first image (with ``PRX_TEST_KILL_EARLY`` set:
+at once, before it joins them). The product has no hook for this: ``prx_compile.tools.generate`` is
+patched here as it is imported."""
 
 import importlib.abc
 import importlib.util
@@ -31,3 +32,5 @@ class _KillAtFirstWait(importlib.abc.MetaPathFinder):
 _RANK = os.environ.get("PRX_TEST_KILL_RANK")
 if _RANK and _RANK == os.environ.get("RANK"):
     sys.meta_path.insert(0, _KillAtFirstWait())
+if _RANK and _RANK == os.environ.get("RANK") and os.environ.get("PRX_TEST_KILL_EARLY"):
+    os.kill(os.getpid(), signal.SIGKILL)  # before it joins its peers: they would wait for it
