@@ -353,3 +353,12 @@ def test_bench_plot_reads_only_a_results_file(tmp_path):
     ):
         r = run("bench", "--plot", str(tmp_path / name))
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generate_never_overwrites_a_file_that_is_not_its_summary(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("my notes")
+    r = run("generate", "--tiny", "--prompt", "a cat", "--steps", "1", "--out-dir", str(out))
+    assert r.returncode == 2 and "exists and is not a generate summary" in r.stderr, r.stderr
+    assert (out / "summary.json").read_text() == "my notes" and not list(out.glob("*.png"))

@@ -387,6 +387,14 @@ def _check_outputs(out_dir: Path, summary: str | None) -> None:
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             raise CLIError(f"--summary {path}: {parent} is not a directory.", "choose another --summary.")
+    from .generate import is_summary
+
+    path = Path(summary) if summary is not None else out_dir / "summary.json"
+    if path.is_file() and not is_summary(path):  # an earlier run's summary is replaced, nothing else
+        raise CLIError(
+            f"{path} exists and is not a generate summary: the run would overwrite it.",
+            "move it, or choose another --summary / --out-dir.",
+        )
 
 
 def _binning(args) -> bool:

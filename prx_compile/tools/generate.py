@@ -157,6 +157,12 @@ def _read_json(path: Path, limit: int = 1 << 20) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_summary(path: Path) -> bool:
+    """Whether ``path`` holds a summary this module wrote (a run may replace it, and nothing else)."""
+    data = _read_json(path, limit=1 << 28)
+    return data is not None and data.get("kind") == "summary"
+
+
 def _status_root(out_dir: Path) -> Path:
     """``<out_dir>/.prx-generate``, refused when it is a link (records are written and removed there)."""
     root = out_dir / STATUS_DIR
@@ -843,8 +849,14 @@ def generate_images(
         _JobBar(len(prompts), sum(_finished(out_dir, names, resume, started)), show) if coordinates else None
     )
 
-    def on_image() -> None:  # the coordinator's bar counts every rank's PNGs
+    scan = {"next": 0.0}
+
+    def on_image() -> None:  # the coordinator's bar counts every rank's PNGs in the folder
+        now = time.perf_counter()
+        if now < scan["next"]:
+            return
         bar.update(sum(_finished(out_dir, names, resume, started)))
+        scan["next"] = now + 9 * (time.perf_counter() - now)  # a big folder's scans: a tenth of the time
 
     call = dict(
         seed=seed,
