@@ -362,3 +362,8 @@ def test_generate_never_overwrites_a_file_that_is_not_its_summary(tmp_path):
     r = run("generate", "--tiny", "--prompt", "a cat", "--steps", "1", "--out-dir", str(out))
     assert r.returncode == 2 and "exists and is not a generate summary" in r.stderr, r.stderr
     assert (out / "summary.json").read_text() == "my notes" and not list(out.glob("*.png"))
+    r = run(
+        "generate", "--tiny", "--prompt", "a cat", "--summary", "/proc/self/x.json", "--out-dir", str(out)
+    )
+    assert r.returncode == 2 and "cannot be written in /proc/self" in r.stderr, r.stderr  # before any image
+    assert not list(out.glob("*.png"))

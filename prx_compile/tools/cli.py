@@ -18,6 +18,7 @@ import math
 import os
 import stat
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -395,6 +396,13 @@ def _check_outputs(out_dir: Path, summary: str | None) -> None:
             f"{path} exists and is not a generate summary: the run would overwrite it.",
             "move it, or choose another --summary / --out-dir.",
         )
+    folder = next((p for p in path.parents if p.is_dir()), None)
+    try:  # a file made and removed where the summary goes: found now, not after the images
+        fd, probe = tempfile.mkstemp(prefix=".prx-compile-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CLIError(f"the summary {path} cannot be written in {folder} ({e.strerror}).") from e
 
 
 def _binning(args) -> bool:
