@@ -822,16 +822,15 @@ def generate_images(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [image_name(i, p) for i, p in enumerate(prompts)]
-    made = made_record(
-        prompts,
+    call = dict(  # each image's pipeline call, and what the folder's record holds
         seed=seed,
         steps=steps,
         guidance=guidance,
         height=height,
         width=width,
-        pipeline_kwargs=pipeline_kwargs,
-        made_with=made_with,
+        pipeline_kwargs=dict(pipeline_kwargs or {}),
     )
+    made = made_record(prompts, **call, made_with=made_with)
     if resume:
         _check_made(out_dir, names, made)
     started = time.time()
@@ -858,14 +857,6 @@ def generate_images(
         bar.update(sum(_finished(out_dir, names, resume, started)))
         scan["next"] = now + 9 * (time.perf_counter() - now)  # a big folder's scans: a tenth of the time
 
-    call = dict(
-        seed=seed,
-        steps=steps,
-        guidance=guidance,
-        height=height,
-        width=width,
-        pipeline_kwargs=dict(pipeline_kwargs or {}),
-    )
     try:
         with progress.reporting(show and coordinates):  # the other ranks stay quiet
             record = _run_share(
