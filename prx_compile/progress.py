@@ -5,7 +5,9 @@
 
 In a terminal each step is a tqdm bar on stderr; anywhere else (a log file, a notebook's captured
 stream, CI) each finished step is one line on stderr, so logs read cleanly. The CLI enables it
-unless ``--quiet``; notebooks and scripts opt in the same way. Off by default.
+unless ``--quiet``; notebooks and scripts opt in the same way. Off by default. A process that shares
+its terminal with another's bar (a ``generate --num-processes`` worker) reports in lines that name
+it: ``reporting(True, source="rank 0")`` prints ``prx-compile [rank 0]: ...``.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("prx_compile_progress", default=False)
+#: (enabled, the process's name in its lines or None)
+_ENABLED: contextvars.ContextVar[tuple[bool, str | None]] = contextvars.ContextVar(
+    "prx_compile_progress", default=(False, None)
+)
 
 
 @contextlib.contextmanager
-def reporting(enabled: bool = True) -> Iterator[None]:
-    """Within the block, long steps report their progress (or not)."""
-    token = _ENABLED.set(enabled)
+def reporting(enabled: bool = True, source: str | None = None) -> Iterator[None]:
+    """Within the block, long steps report their progress (or not); with ``source``, in lines only,
+    each ``prx-compile [source]: ...``."""
+    token = _ENABLED.set((enabled, source))
     try:
         yield
     finally:
@@ -31,11 +37,17 @@ def reporting(enabled: bool = True) -> Iterator[None]:
 
 
 def enabled() -> bool:
-    return _ENABLED.get()
+    return _ENABLED.get()[0]
+
+
+def _head() -> str:
+    source = _ENABLED.get()[1]
+    return "prx-compile" if source is None else f"prx-compile [{source}]"
 
 
 def _tty() -> bool:
-    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    """Whether to draw bars: stderr is a terminal this process does not share with another's bar."""
+    return _ENABLED.get()[1] is None and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
 @contextlib.contextmanager
@@ -52,7 +64,7 @@ def stage(desc: str, times: dict[str, float] | None = None, key: str = "") -> It
         return
     if not _tty():
         yield
-        print(f"prx-compile: {desc}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"{_head()}: {desc}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return
     from tqdm.auto import tqdm
 
@@ -76,7 +88,7 @@ def _timed(times: dict[str, float], key: str, t0: float) -> Iterator[None]:
 def note(text: str) -> None:
     """One line on stderr, when enabled (a result worth seeing, e.g. the kernels a set chose)."""
     if enabled():
-        print(f"prx-compile: {text}", file=sys.stderr, flush=True)
+        print(f"{_head()}: {text}", file=sys.stderr, flush=True)
 
 
 def items(iterable: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
@@ -94,4 +106,4 @@ def _lines(iterable: Iterable[Any], desc: str) -> Iterator[Any]:
     t0, n = time.perf_counter(), 0
     for n, item in enumerate(iterable, 1):  # noqa: B007
         yield item
-    print(f"prx-compile: {desc}: {n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(f"{_head()}: {desc}: {n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

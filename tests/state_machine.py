@@ -9,6 +9,9 @@ operation, to what the semantics promise (docs/semantics.md):
 * ``load_state_dict`` (strict or partial), an in-place edit, a new ``Parameter`` or a swapped layer set
   the *base* value of what they write; the active adapters stay applied over it;
 * ``unload_lora`` leaves exactly the base weights; ``set_lora`` changes the active adapters only;
+* diffusers' verbs act as PEFT's: ``disable_lora`` sets the active adapters aside (``set_adapters``
+  then changes what ``enable_lora`` applies); ``delete_adapters`` drops some, and when adapters are
+  left and none is active the first loaded is, at the scale it last had;
 * ``save_compiled`` + ``load_compiled`` keeps everything (the loaded module replaces the compiled one);
 * ``.to(dtype)`` casts the base weights; ``save_pretrained`` writes the weights that run.
 
@@ -65,8 +68,18 @@ class Mirror:
     def __init__(self, template: torch.nn.Module, base: dict[str, torch.Tensor]):
         self.model = copy.deepcopy(template)
         self.base = {k: v.clone() for k, v in base.items()}
-        self.adapters: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.adapters: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # in load order
         self.active: dict[str, float] = {}
+        self.disabled: dict[str, float] | None = None  # what disable_lora set aside
+        self.last: dict[str, float] = {}  # the scale each adapter last had
+
+    def activate(self, active: dict[str, float], *, disabled: bool = False) -> None:
+        """``active`` in the weights, or (``disabled``) set aside for enable_lora."""
+        if disabled:
+            self.disabled = dict(active)
+        else:
+            self.active, self.disabled = dict(active), None
+        self.last.update(active)
 
     def weights(self) -> dict[str, torch.Tensor]:
         out = dict(self.base)
@@ -151,7 +164,7 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             lora = make_random_lora(self.transformer, rank=2 + seed % 3, seed=seed, std=setup.lora_std)
             load_lora(self.ct, lora, name, scale=scale)
             self.mirror.adapters[name] = peft_pairs(lora)
-            self.mirror.active[name] = scale
+            self.mirror.activate({**self.mirror.active, name: scale})
             self.note(f"load_lora {name} {scale}")
 
         @precondition(lambda self: bool(self.mirror.adapters))
@@ -161,7 +174,7 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             chosen = data.draw(st.lists(st.sampled_from(names), unique=True, max_size=len(names)))
             scales = [data.draw(st.sampled_from([1.0, 0.25, -1.0])) for _ in chosen]
             set_lora(self.ct, chosen, scales)
-            self.mirror.active = dict(zip(chosen, scales, strict=True))
+            self.mirror.activate(dict(zip(chosen, scales, strict=True)))
             self.note(f"set_lora {chosen} {scales}")
 
         @precondition(lambda self: bool(self.mirror.adapters))
@@ -169,8 +182,51 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
         def unload(self):
             unload_lora(self.ct)
             self.mirror.adapters.clear()
-            self.mirror.active.clear()
+            self.mirror.activate({})
             self.note("unload_lora")
+
+        # -- diffusers' verbs (PEFT's semantics) ------------------------------------------------------
+        @precondition(lambda self: bool(self.mirror.adapters))
+        @rule(data=st.data())
+        def set_adapters(self, data):
+            names = sorted(self.mirror.adapters)
+            chosen = data.draw(st.lists(st.sampled_from(names), unique=True, min_size=1, max_size=len(names)))
+            scales = [data.draw(st.sampled_from([1.0, 0.5, -1.0])) for _ in chosen]
+            self.ct.set_adapters(chosen, scales)
+            self.mirror.activate(
+                dict(zip(chosen, scales, strict=True)), disabled=self.mirror.disabled is not None
+            )
+            self.note(f"set_adapters {chosen} {scales}")
+
+        @precondition(lambda self: bool(self.mirror.adapters))
+        @rule(enable=st.booleans())
+        def disable_or_enable(self, enable):
+            m = self.mirror
+            if enable:
+                self.ct.enable_lora()
+                if m.disabled is not None:
+                    m.activate(m.disabled)
+            else:
+                self.ct.disable_lora()
+                if m.disabled is None:
+                    m.disabled, m.active = m.active, {}
+            self.note("enable_lora" if enable else "disable_lora")
+
+        @precondition(lambda self: bool(self.mirror.adapters))
+        @rule(data=st.data())
+        def delete_adapters(self, data):
+            m = self.mirror
+            gone = data.draw(st.lists(st.sampled_from(list(m.adapters)), unique=True, min_size=1))
+            self.ct.delete_adapters(gone)
+            for n in gone:
+                del m.adapters[n]
+            off = m.disabled is not None
+            left = {n: v for n, v in (m.disabled if off else m.active).items() if n not in gone}
+            if m.adapters and not left:  # PEFT: the first loaded is active, at its last scale
+                first = next(iter(m.adapters))
+                left = {first: m.last[first]}
+            m.activate(left, disabled=off and bool(m.adapters))
+            self.note(f"delete_adapters {gone}")
 
         # -- base weights --------------------------------------------------------------------------
         @rule(seed=st.integers(0, 2**16))
@@ -274,7 +330,8 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             after an edit)."""
             for _ in range(2):
                 ops = ["load_state_dict", "edit_in_place", "new_parameter", "swap_layer", "save_pretrained"]
-                ops += ["switch", "unload"] if self.mirror.adapters else []
+                lora = ["switch", "unload", "set_adapters", "delete_adapters", "disable_or_enable"]
+                ops += lora if self.mirror.adapters else []
                 ops += ["cast"] if setup.slow_ops and self.rebuilds < 2 else []
                 op = data.draw(st.sampled_from(ops))
                 seed, index = data.draw(st.integers(0, 2**16)), data.draw(st.integers(0, 10**6))
@@ -286,8 +343,10 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
                     getattr(self, op)(index, seed)
                 elif op == "cast":
                     self.cast(data.draw(st.sampled_from([torch.float32, torch.bfloat16])))
-                elif op == "switch":
-                    self.switch(data)
+                elif op == "disable_or_enable":
+                    self.disable_or_enable(data.draw(st.booleans()))
+                elif op in ("switch", "set_adapters", "delete_adapters"):
+                    getattr(self, op)(data)
                 else:
                     getattr(self, op)()
 

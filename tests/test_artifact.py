@@ -721,7 +721,9 @@ STEPS = textwrap.dedent("""
             out = ct(**kw, return_dict=False)[0]
         finally:
             logging.getLogger("prx_compile.io.cache").removeHandler(handler)
-        return {"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.double().sum()), "said": said}
+        out = out.double()
+        return {"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.sum()),
+                "abs": float(out.abs().sum()), "said": said}
 """)
 WORKER = STEPS + textwrap.dedent("""
     model, kw = prepare()
@@ -786,7 +788,9 @@ def test_engine_cache_shared_by_two_processes(two_processes):
     root, results = two_processes
     said = (root / "stderr.txt").read_text()[-1500:]
     assert sorted(r["hit"] for r in results) == [False, True], (results, said)  # built once, loaded once
-    assert results[0]["sum"] == results[1]["sum"]
+    # the same engine set and weights: equal but for a CPU matmul's last bits, which depend on how
+    # each process's buffers are aligned (0.27 compared the sums exactly: it failed once)
+    assert abs(results[0]["sum"] - results[1]["sum"]) <= 1e-6 * results[0]["abs"], results
     entries = [p for p in (root / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert len(entries) == 1 and (entries[0] / MANIFEST).is_file()
 

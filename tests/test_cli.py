@@ -170,7 +170,32 @@ def test_tiny_builds_a_bf16_preset_and_generates_from_it(tmp_path):
     assert r.returncode == 0, r.stderr
     from PIL import Image
 
-    assert Image.open(tmp_path / "o" / "000-a-dog.png").size == (64, 64)  # the preset's first set, 1x VAE
+    # the preset's size: the tiny pipeline takes the artifact's 8x VAE (0.27: 64x64, a 1x VAE)
+    assert Image.open(tmp_path / "o" / "000-a-dog.png").size == (512, 512)
+
+
+@pytest.mark.parametrize("model, preset", [("prx", "prx-1024-bf16"), ("flux", "flux-1024-bf16")])
+def test_the_tiny_model_under_a_preset_makes_the_presets_image_size(tmp_path, model, preset):
+    """``--tiny --config PRESET``: the tiny pipeline takes the preset's 8x VAE and text length, so
+    the images have the preset's size (0.27: 1/8 of it for PRX, and FLUX failed: 262144 image tokens)."""
+    r = run(
+        "generate",
+        "--tiny",
+        "--model",
+        model,
+        "--config",
+        preset,
+        "--prompt",
+        "a dog",
+        "--steps",
+        "1",
+        "--out-dir",
+        str(tmp_path / "o"),
+    )
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    assert Image.open(tmp_path / "o" / "000-a-dog.png").size == (1024, 1024)
 
 
 def test_generate_from_a_saved_pipeline_folder(tmp_path):

@@ -156,6 +156,14 @@ def test_a_hook_or_processor_on_one_block_is_traced_in_that_block_only():
 
     attention.set_processor(Mine())
     assert "attention processors" in why_not(other, PRX, "inputs")
+    third = make_prx({**_tiny(), "depth": 3})
+    mlp = third.blocks[2].down_proj
+    mlp.forward = lambda x: torch.nn.Linear.forward(mlp, x) * 0.5
+    assert "replaced forwards" in why_not(third, PRX, "inputs")
+    ep, names = export_step(third, kw, weights="inputs")
+    with torch.no_grad():
+        out = ep.module()(**kw, weights=[weight_tensors(third)[n] for n in names])
+    assert (out - eager(third, kw)).abs().max() <= 1e-5
 
 
 def test_the_model_is_not_changed_by_the_one_block_export(three_blocks):

@@ -92,8 +92,11 @@ def test_two_processes_write_the_same_pngs_as_one(work, reference, capfd):
         assert f"{os.cpu_count()} CPU cores with {share} torch thread(s) each" in summary["timing"]
     # one engine cache on the host: whichever rank came first built the engine set, the other loaded it
     assert sorted((r["engine_builds"], r["engine_cache_loads"]) for r in ranks) == [(0, 1), (1, 0)]
-    # one progress report for the job (the coordinator's), none from the workers; the summary on stdout
+    # one progress bar for the job (the coordinator's); rank 0's engine builds in lines naming it
+    # (0.27's workers were quiet: minutes of builds showed nothing), nothing from rank 1; the
+    # summary on stdout
     assert not [line for line in workers.splitlines() if line.startswith("prx-compile: ")], workers
+    assert "prx-compile [rank 0]: engine set 1/" in workers and "[rank 1]" not in workers, workers
     progress_lines = [line for line in r.stderr.splitlines() if line.startswith("prx-compile: ")]
     assert progress_lines, r.stderr
     assert all(line.startswith("prx-compile: generate: ") for line in progress_lines), r.stderr
@@ -469,3 +472,29 @@ def test_a_rank_record_over_a_megabyte_is_read_whole(tmp_path):
     summary = generate_images(lambda d: pytest.fail("no model loaded"), prompts, out, show_progress=False)
     assert summary["missing"] == [] and summary["images"] == 120_000
     assert time.perf_counter() - t < 120
+
+
+def test_temporary_files_killed_processes_left_are_removed_at_the_next_run(tmp_path):
+    """A process killed while writing an image leaves ``write_atomic``'s temporary file (0.27 kept it
+    for good). The next run removes the job's stale ones, and nothing else: another job's, fresh ones
+    (a run writing now) and links stay."""
+    out = tmp_path / "out"
+    status = out / ".prx-generate"
+    status.mkdir(parents=True)
+    old = time.time() - 3600
+    names = [image_name(0, "a cat"), "summary.json"]
+    stale = [out / f".{n}.0123456789ab.tmp" for n in names] + [status / ".made.json.aaaaaaaaaaaa.tmp"]
+    kept = [
+        out / f".{image_name(0, 'a cat')}.ffffffffffff.tmp",  # fresh: a run writing now
+        out / ".notes.txt.0123456789ab.tmp",  # not this job's
+        out / f".{image_name(0, 'a cat')}.xyz.tmp",  # not write_atomic's name
+    ]
+    for f in stale + kept:
+        f.write_bytes(b"x")
+    for f in stale + kept[1:]:
+        os.utime(f, (old, old))
+    link = out / f".{image_name(0, 'a cat')}.aaaaaaaaaaaa.tmp"
+    link.symlink_to(tmp_path / "elsewhere")
+    generate_images(lambda d: _Pipe(), ["a cat"], out, steps=2, height=4, width=4, show_progress=False)
+    assert not any(f.exists() for f in stale)
+    assert all(f.exists() for f in kept) and link.is_symlink()

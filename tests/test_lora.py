@@ -229,7 +229,7 @@ def test_other_errors_change_nothing():
         load_lora(model, make_random_lora(model, 4), "a")
     with pytest.raises(LoRAError, match=r"no adapter named \['zz'\]"):
         set_lora(model, ["zz"])
-    with pytest.raises(LoRAError, match="2 names and 1 scales"):
+    with pytest.raises(LoRAError, match="2 adapter names and 1 scales"):
         set_lora(model, ["a", "a"], [1.0])
     assert same(weights(model), before)
 

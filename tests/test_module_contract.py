@@ -5,8 +5,11 @@ test compares outputs with eager PyTorch on the same weights. Mirrors Torch-Tens
 tests/py/dynamo/runtime/test_mutable_torchtrt_module.py (load_state_dict, weight edits, shape
 changes, save/load)."""
 
+import copy
+import io
 import json
 import logging
+import pickle
 
 import pytest
 import torch
@@ -236,7 +239,7 @@ def test_hooks_and_attention_processors_changed_after_a_build_are_followed(caplo
     with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
         handle = model.blocks[0].register_forward_hook(halve)
         near(*step(ct, model))
-        assert "hooks or attention processors changed on blocks.0" in caplog.text
+        assert "hooks, replaced forwards or attention processors changed on blocks.0" in caplog.text
         handle.remove()
         near(*step(ct, model))
 
@@ -265,6 +268,31 @@ def test_hooks_and_attention_processors_changed_after_a_build_are_followed(caplo
     assert ct.builds == 8
 
 
+def test_a_forward_replaced_on_a_module_after_a_build_is_followed(caplog):
+    """``module.forward = f`` (an instance attribute an export traces, as accelerate's hooks set
+    one): set, replaced or deleted after a build, it rebuilds the set, and the blocks are then traced
+    one by one (block 0's forward would stand for all)."""
+    model = make_prx()
+    ct = compiled(model)
+    before = step(ct, model)[1]
+    mlp = model.blocks[1].down_proj
+    plain = type(mlp).forward
+
+    def scaled(f):
+        return lambda x: plain(mlp, x) * f
+
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
+        for f in (0.5, 2.0):  # the second closure may take the first's address once that is freed
+            mlp.forward = scaled(f)
+            out, ref = step(ct, model)
+            assert float((ref - before).norm() / before.norm()) > 1e-3  # the stale set's error
+            assert float((out - ref).norm() / ref.norm()) < 1e-4
+        assert "replaced forwards or attention processors changed on blocks.1.down_proj" in caplog.text
+        del mlp.forward
+        close(*step(ct, model))
+    assert ct.builds == 4
+
+
 def test_a_replaced_parameter_is_read_with_weights_held_by_the_sets(caplog):
     """``weights: engine`` on the eager backend: the sets hold the parameters themselves, so a
     replaced one (``module.weight = Parameter``, ``load_state_dict(assign=True)``) rebuilds them."""
@@ -283,7 +311,8 @@ def test_a_replaced_parameter_is_read_with_weights_held_by_the_sets(caplog):
 
 
 def test_what_a_compiled_module_cannot_do_is_said_in_one_line(caplog):
-    """Replacing its transformer, autograd, and the class constructors diffusers gives it."""
+    """Replacing its transformer, autograd, pickling and copying, and the class constructors diffusers
+    gives it."""
     model = make_prx()
     ct = compiled(model)
     with pytest.raises(ConfigError, match="transformer cannot be replaced"):
@@ -296,6 +325,9 @@ def test_what_a_compiled_module_cannot_do_is_said_in_one_line(caplog):
         (lambda: ct.enable_group_offload("cpu"), "group offload moves weights"),
         (lambda: ct.enable_cache(None), "caches .enable_cache. skip blocks"),
         (lambda: ct.set_attention_backend("flash"), "attention is chosen when it is built"),
+        (lambda: pickle.dumps(ct), "cannot be pickled or copied"),
+        (lambda: torch.save(ct, io.BytesIO()), "cannot be pickled or copied"),
+        (lambda: copy.deepcopy(ct), "cannot be pickled or copied"),
     ):
         with pytest.raises(ConfigError, match=match):
             call()

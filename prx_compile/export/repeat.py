@@ -115,9 +115,12 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
         first = layout(blocks[0])
         if any(type(b) is not type(blocks[0]) or layout(b) != first for b in blocks):
             return f"the blocks of {bl.attr} differ in class, parameter names, shapes or dtypes"
-        # an export traces hooks and attention processors: block 0's would stand for every block's
+        # an export traces hooks, forwards set on modules and attention processors: block 0's would
+        # stand for every block's
         if any(m._forward_hooks or m._forward_pre_hooks for b in blocks for m in b.modules()):
             return f"blocks of {bl.attr} have forward hooks"
+        if any("forward" in m.__dict__ for b in blocks for m in b.modules()):
+            return f"blocks of {bl.attr} have replaced forwards"
         if any(processors(b) != processors(blocks[0]) for b in blocks):
             return f"the blocks of {bl.attr} differ in their attention processors"
     return None

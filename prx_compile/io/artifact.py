@@ -104,10 +104,14 @@ def umask() -> int:
     return mask
 
 
+#: the temporary file ``write_atomic`` fills for ``<name>`` (group 1), which a killed process leaves
+ATOMIC_TEMPORARY = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")
+
+
 def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
     """Write ``path`` atomically: ``write(f)`` fills a new file beside it (created as ``open()`` would,
-    the umask applied; never through a link), which then replaces ``path``. A PNG or JSON file that
-    exists is complete."""
+    the umask applied; never through a link; named as ``ATOMIC_TEMPORARY`` matches), which then
+    replaces ``path``. A PNG or JSON file that exists is complete."""
     for _ in range(100):
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:

@@ -38,6 +38,7 @@ model's layers).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from ..quant import fp8
 from ..runtime import follower
 from ..runtime.module import CompiledTransformer
 from ..runtime.watch import INTERNAL_HOOKS
+
+logger = logging.getLogger(__name__)
 
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")
@@ -90,6 +93,7 @@ class Adapter:
     layers: dict[str, LoRALayer]  # Linear module FQN -> update
     unmatched: list[str] = field(default_factory=list)
     source: str = ""
+    scale: float = 1.0  # the scale it was last made active at (PEFT's rule after a delete reads it)
 
 
 @dataclass
@@ -103,6 +107,8 @@ class LoRAState:
     #: weight FQN -> (its module, attribute) and the parameter as the LoRA last wrote it (``_print``)
     slots: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)
     written: dict[str, tuple] = field(default_factory=dict)
+    #: the active scales ``disable_lora`` set aside (diffusers' verb), for ``enable_lora``; None: enabled
+    disabled: dict[str, float] | None = None
 
 
 def _compute_device(linear: torch.nn.Module) -> torch.device:
@@ -200,6 +206,60 @@ class LoRAKeeper:
             fp8.requantize(self.transformer, rebased)
         _record(self.transformer, state)
         return rebased
+
+    # -- diffusers' adapter methods (PeftAdapterMixin's), which ``CompiledTransformer`` takes from
+    # the keeper it finds on the transformer (the runtime does not import this module). ``model``:
+    # the compiled module, whose engines a change refits.
+    def adapters(self) -> dict[str, str]:
+        """The loaded adapters: name -> where they came from."""
+        state = self.transformer.__dict__.get("_prx_lora")
+        return {n: a.source for n, a in state.adapters.items()} if state is not None else {}
+
+    def active(self) -> dict[str, float]:
+        """The adapters in the weights and their scales ({} while disabled)."""
+        state = self.transformer.__dict__.get("_prx_lora")
+        return dict(state.active) if state is not None else {}
+
+    def set_adapters(self, model: Any, names: list[str], scales: list[float]) -> None:
+        """``set_lora``; while disabled, the adapters ``enable`` will apply (as PEFT keeps layers
+        disabled through ``set_adapters``)."""
+        state = _state(self.transformer)
+        if state.disabled is None:
+            set_lora(model, names, scales)
+            return
+        _check_active(state, names, scales)
+        state.disabled = dict(zip(names, map(float, scales), strict=True))
+        for n, scale in state.disabled.items():
+            state.adapters[n].scale = scale
+
+    def disable(self, model: Any) -> None:
+        """The base weights, the active adapters set aside for ``enable``."""
+        state = _state(self.transformer)
+        if state.disabled is None:
+            active = dict(state.active)
+            _apply(self.transformer, _target(model)[1], state, {})
+            state.disabled = active
+
+    def enable(self, model: Any) -> None:
+        """The adapters ``disable`` set aside, applied again."""
+        state = _state(self.transformer)
+        if state.disabled is not None:
+            _apply(self.transformer, _target(model)[1], state, state.disabled)
+            state.disabled = None
+
+    def delete(self, model: Any, names: list[str]) -> None:
+        """``unload_lora(model, names)``; then, as PEFT does, when adapters are left and none of them
+        is active (or set aside by ``disable``), the first loaded is, at the scale it last had."""
+        unload_lora(model, names)
+        state = _state(self.transformer)
+        if not state.adapters or (state.disabled if state.disabled is not None else state.active):
+            return
+        first = next(iter(state.adapters.values()))
+        logger.warning("the active LoRA adapters were deleted: %r is active now (as PEFT does)", first.name)
+        if state.disabled is not None:
+            state.disabled = {first.name: first.scale}
+        else:
+            _apply(self.transformer, _target(model)[1], state, {first.name: first.scale})
 
 
 def _holds(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -621,6 +681,8 @@ def _apply(transformer, compiled, state: LoRAState, active: dict[str, float]) ->
         _record(transformer, state)
         raise
     state.active = dict(active)
+    for n, scale in active.items():
+        state.adapters[n].scale = scale
     state.fused = {f for f in touched if f in wanted}
     _record(transformer, state)
     return report
@@ -661,6 +723,7 @@ def load_lora(
         del state.adapters[name]
         _record(transformer, state)
         raise
+    state.disabled = None  # the adapters active before (none while disabled) and this one
     return {"adapter": name, "layers": len(adapter.layers), "unmatched": adapter.unmatched, **report}
 
 
@@ -673,13 +736,20 @@ def set_lora(model: Any, names: str | list[str], scales: float | list[float] | N
         scales = [1.0] * len(names)
     elif isinstance(scales, (int, float)):
         scales = [scales] * len(names)
+    _check_active(state, names, scales)
+    report = _apply(transformer, compiled, state, dict(zip(names, map(float, scales), strict=True)))
+    state.disabled = None
+    return report
+
+
+def _check_active(state: LoRAState, names: list[str], scales: list[Any]) -> None:
+    """Loaded adapter names, and a scale each that ``_check_scales`` takes."""
     if len(scales) != len(names):
-        raise LoRAError(f"set_lora got {len(names)} names and {len(scales)} scales.")
+        raise LoRAError(f"got {len(names)} adapter names and {len(scales)} scales.")
     _check_scales(scales)
     unknown = [n for n in names if n not in state.adapters]
     if unknown:
         raise LoRAError(f"no adapter named {unknown} is loaded.", f"loaded: {sorted(state.adapters)}.")
-    return _apply(transformer, compiled, state, dict(zip(names, map(float, scales), strict=True)))
 
 
 def _converted(transformer: torch.nn.Module, lora: Any, name: str) -> Any:
@@ -707,13 +777,23 @@ def _check_scales(scales: list[Any]) -> None:
             )
 
 
-def unload_lora(model: Any) -> dict[str, Any]:
-    """Drop every adapter and restore the original weights bit for bit (and refit)."""
+def unload_lora(model: Any, names: str | list[str] | None = None) -> dict[str, Any]:
+    """Drop every adapter (or those ``names``; the others stay as they are active) and restore the
+    original weights bit for bit where no adapter is left active (and refit)."""
     transformer, compiled = _target(model)
     state = _state(transformer, unloading=True)
-    report = _apply(transformer, compiled, state, {})
-    state.adapters.clear()
-    state.originals.clear()
+    names = list(state.adapters) if names is None else [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in state.adapters]
+    if unknown:
+        raise LoRAError(f"no adapter named {unknown} is loaded.", f"loaded: {sorted(state.adapters)}.")
+    report = _apply(transformer, compiled, state, {n: s for n, s in state.active.items() if n not in names})
+    for n in names:
+        del state.adapters[n]
+    if state.disabled is not None:
+        state.disabled = {n: s for n, s in state.disabled.items() if n not in names}
+    if not state.adapters:
+        state.originals.clear()
+        state.disabled = None
     _record(transformer, state)
     return report
 

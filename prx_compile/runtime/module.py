@@ -28,6 +28,7 @@ from ..models import SPECS, ModelSpec, spec_for
 from ..plan import Plan
 from ..quant import fp8
 from ..shapes import ShapeRange
+from .adapters import DiffusersAdapters
 from .engine_sets import EngineSets
 from .follower import ChangeFollower, keepers
 
@@ -49,7 +50,8 @@ class _Refused:
     """What a compiled transformer refuses, in one line each: the diffusers class methods that would
     make a plain model under its name, diffusers' hooks that replace a module's forward (caches,
     layerwise casting, group offload) or pick an attention backend (engines never call those
-    forwards or that attention), and tensor conversions other than ``.to(dtype)``. Its first base,
+    forwards or that attention), pickling and copying, and tensor conversions other than
+    ``.to(dtype)``. Its first base,
     so these come before the transformer class's own (``_compiled_class``)."""
 
     @classmethod
@@ -94,6 +96,14 @@ class _Refused:
             "make the transformer with its diffusers class and compile it.",
         )
 
+    def __reduce_ex__(self, protocol):
+        raise ConfigError(
+            "a compiled transformer cannot be pickled or copied (pickle, torch.save, copy.deepcopy): its "
+            "engines and live weights do not travel that way.",
+            "save it with save_compiled(module, path) and load_compiled(path, transformer); to copy, copy "
+            "the eager transformer and compile the copy.",
+        )
+
     def _apply(self, fn, recurse: bool = True):
         raise ConfigError(
             "a compiled transformer cannot apply an arbitrary tensor conversion (.type(), .to_empty(), "
@@ -102,7 +112,7 @@ class _Refused:
         )
 
 
-class CompiledTransformer(_Refused, torch.nn.Module):
+class CompiledTransformer(_Refused, DiffusersAdapters, torch.nn.Module):
     """A compiled diffusers transformer with the same call signature and the transformer's module view.
 
     One copy of the weights: the transformer is held outside ``_modules`` (registering it would make
@@ -118,6 +128,8 @@ class CompiledTransformer(_Refused, torch.nn.Module):
     Made for a diffusers model, the object's class is a subclass of both this class and the
     transformer's (named like it), so diffusers' ``register_modules`` records the transformer's
     library and class in ``model_index.json`` and ``pipe.save_pretrained`` saves the transformer.
+    diffusers' adapter methods (``set_adapters``, ``disable_lora``, ``unload_lora``, ...) act on the
+    LoRA ``prx_compile.load_lora`` loaded (``runtime.adapters``).
 
     Attributes:
         transformer: the original module; its parameters are the one copy of the weights.

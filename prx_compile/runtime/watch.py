@@ -18,7 +18,9 @@ object. Measured on a 2-core CPU shared with other jobs: ``moved`` 0.18-0.31 ms 
 engine`` only) 0.05-0.13 ms. The storage-address pass (0.08-0.14 ms of it) replaces the one CUDA
 graphs already made per step. 0.27 added every module's hook handles and every attention module's
 processor (an export traces both): ``moved`` went from 0.052 to 0.070 ms (1.17 B PRX, 303 modules) and
-from 0.24 to 0.32 ms (FLUX.1, 1279 modules), medians on that CPU with meta-device models.
+from 0.24 to 0.32 ms (FLUX.1, 1279 modules), medians on that CPU with meta-device models; 0.28 added
+every module's own ``forward`` attribute (``m.forward = f``, traced too): 0.071 -> 0.074 ms and
+0.32 -> 0.33 ms, measured the same way.
 """
 
 from __future__ import annotations
@@ -47,29 +49,37 @@ _PROCESSOR = operator.attrgetter("processor")
 @dataclass(frozen=True)
 class Signature:
     """The structure engines depend on: tensors by FQN -> (shape, dtype, device type, identity);
-    modules by name -> (type, identity); and by name, what an export traces beside a module's own
-    code: its forward hooks and pre-hooks, and its attention processor (diffusers' ``processor``)."""
+    modules by name -> (type, identity); and by name, what an export traces beside its class's code:
+    its forward hooks and pre-hooks, a ``forward`` set on the module itself (``m.forward = f``), and its
+    attention processor (diffusers' ``processor``)."""
 
     tensors: dict[str, tuple]
     modules: dict[str, tuple[type, int]]
     traced: dict[str, tuple] = field(default_factory=dict)
 
 
+#: ``_traced`` of a module with nothing but its class's code
+_PLAIN = ((), (), None, None, None)
+
+
 def _traced(m: torch.nn.Module, internal: Collection[int]) -> tuple:
-    """(pre-hooks, hooks, processor type, processor) of ``m``: each hook as (handle id, function
-    identity), the library's own (handle ids ``internal``) left out."""
+    """(pre-hooks, hooks, own forward, processor type, processor) of ``m``: each hook as (handle id,
+    function identity), the library's own (handle ids ``internal``) left out; the forward set on the
+    module itself as (its function's identity, its identity), or None."""
     pre, post = (
         tuple((k, id(fn)) for k, fn in d.items() if k not in internal)
         for d in (m._forward_pre_hooks, m._forward_hooks)
     )
-    proc = m.__dict__.get("processor")
-    return (pre, post) if proc is None else (pre, post, type(proc), id(proc))
+    fwd, proc = m.__dict__.get("forward"), m.__dict__.get("processor")
+    own = None if fwd is None else (id(getattr(fwd, "__func__", fwd)), id(fwd))
+    return pre, post, own, (None if proc is None else type(proc)), (None if proc is None else id(proc))
 
 
 def _kinds(traced: tuple) -> tuple:
-    """What a swapped module (new objects throughout) must keep: its hook functions and processor type."""
-    pre, post, *proc = traced
-    return (tuple(f for _, f in pre), tuple(f for _, f in post), *proc[:1])
+    """What a swapped module (new objects throughout) must keep: its hook functions, the function of
+    its own forward and its processor type."""
+    pre, post, own, proc_type, _ = traced
+    return tuple(f for _, f in pre), tuple(f for _, f in post), own and own[0], proc_type
 
 
 def signature(model: torch.nn.Module) -> Signature:
@@ -78,7 +88,7 @@ def signature(model: torch.nn.Module) -> Signature:
     internal = model.__dict__.get(INTERNAL_HOOKS, ())
     traced = {n: _traced(m, internal) for n, m in named}
     return Signature(
-        tensors, {n: (type(m), id(m)) for n, m in named}, {n: t for n, t in traced.items() if t != ((), ())}
+        tensors, {n: (type(m), id(m)) for n, m in named}, {n: t for n, t in traced.items() if t != _PLAIN}
     )
 
 
@@ -139,11 +149,13 @@ def changes(old: Signature, new: Signature) -> Changes:
     # hooks and processors: a swapped module's are new objects, so there only their kinds count
     hooked = []
     for n in sorted(old.traced.keys() | new.traced.keys()):
-        a, b = old.traced.get(n, ((), ())), new.traced.get(n, ((), ()))
+        a, b = old.traced.get(n, _PLAIN), new.traced.get(n, _PLAIN)
         if n in old.modules and n in new.modules and (_kinds(a) != _kinds(b) if n in swapped else a != b):
             hooked.append(n or "the transformer")
     if hooked:
-        out.structure.append(f"forward hooks or attention processors changed on {_some(hooked)}")
+        out.structure.append(
+            f"forward hooks, replaced forwards or attention processors changed on {_some(hooked)}"
+        )
     return out
 
 
@@ -170,10 +182,12 @@ class ModelWatch:
         ]
         self._hooks = [d for _, m in named for d in (m._forward_pre_hooks, m._forward_hooks)]
         self._attention = [m for _, m in named if "processor" in m.__dict__]
+        self._attrs = [m.__dict__ for _, m in named]
         self._held = (  # keeps every compared id unique
             tuple(_flat(map(dict.values, self._dicts))),
             tuple(_flat(map(dict.values, self._hooks))),
             tuple(map(_PROCESSOR, self._attention)),
+            self._forwards(),
         )
         self.token = self._token()
         self.signature = signature(self.model)
@@ -192,7 +206,12 @@ class ModelWatch:
             tuple(map(torch.Tensor.data_ptr, self._tensors())),
             self._hook_ids(),
             tuple(map(id, map(_PROCESSOR, self._attention))),
+            self._forwards(),  # compared by identity (functions have no other equality)
         )
+
+    def _forwards(self) -> tuple:
+        """Each module's own ``forward`` attribute (None for almost all: their class's)."""
+        return tuple(map(dict.get, self._attrs, itertools.repeat("forward")))
 
     def _hook_ids(self) -> tuple[int, ...]:
         """Every hook's handle id (never reused): one added or removed; the library's own left out."""

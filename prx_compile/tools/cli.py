@@ -202,7 +202,7 @@ def _transformer(args, config):
 def _pipeline(args, config, dtype):
     """The pipeline of --model in ``dtype``: from --checkpoint; with --random-full the full-size random
     transformer with small random text encoders (and an 8x VAE where the model has one); else the tiny
-    random one (1x VAE)."""
+    random one, with the VAE scale the config plans (1x for the tiny configs, a preset's 8x)."""
     from . import testing
 
     model = args.model
@@ -220,13 +220,19 @@ def _pipeline(args, config, dtype):
         else:
             pipe = make(transformer, text_len=256)
         pipe = pipe.to(dtype=dtype)
-    else:
-        make = {
-            "prx": testing.tiny_pipeline,
-            "prx-pixel": testing.tiny_pixel_pipeline,
-            "flux": testing.tiny_flux_pipeline,
-        }
-        pipe = make[model]().to(dtype=dtype)
+    else:  # a VAE and text as the config plans them (a preset's 8x VAE: its image sizes)
+        from ..models import SPECS
+
+        defaults = SPECS[_family(args)].defaults
+        f = config.vae_scale_factor or defaults["vae_scale_factor"]
+        text = (config.text_len or defaults["text_len"])[1]
+        if model == "flux":
+            pipe = testing.tiny_flux_pipeline(text_len=text, vae_scale=f)
+        elif model == "prx":
+            pipe = testing.tiny_pipeline(vae_scale=f)
+        else:
+            pipe = testing.tiny_pixel_pipeline()
+        pipe = pipe.to(dtype=dtype)
     pipe.to(config.device)
     return pipe
 
@@ -478,7 +484,10 @@ def _pipeline_factory(args):
             loaded = load_compiled(
                 args.artifact, device=config.device, backend=args.backend, digest=args.digest
             )
-        pipe = _pipeline(args, config, loaded.dtype if loaded is not None else _torch_dtype(args, config))
+        if loaded is None:
+            pipe = _pipeline(args, config, _torch_dtype(args, config))
+        else:  # the artifact's VAE scale and text length
+            pipe = _pipeline(args, loaded.compile_config, loaded.dtype)
         if loaded is not None:
             if type(loaded.transformer) is not type(pipe.transformer) or _settings(loaded) != _settings(
                 pipe.transformer
@@ -560,7 +569,8 @@ def cmd_generate(args) -> int:
                     f"--num-processes {n}: this machine has {torch.cuda.device_count()} GPU(s).",
                     "use one process per GPU; for several machines use accelerate launch (README).",
                 )
-        command = [sys.executable, "-m", "prx_compile", *args.argv, "--quiet"]
+        # the workers' progress: rank 0's engine builds, in lines naming it (--quiet: none)
+        command = [sys.executable, "-m", "prx_compile", *args.argv]
         settings = {"seed": args.seed, "steps": args.steps, "guidance": args.guidance}
         summary = launch(
             command,

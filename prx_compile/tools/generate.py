@@ -66,7 +66,7 @@ import torch
 
 from .. import CompiledTransformer, progress, schema
 from ..errors import ConfigError, excerpt
-from ..io.artifact import write_atomic
+from ..io.artifact import ATOMIC_TEMPORARY, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,35 @@ def _remove_old_runs(out_dir: Path, keep: str) -> None:
         if any(st.get("host") == host and _valid_pid(st.get("pid")) and _alive(st["pid"]) for st in starts):
             continue  # another run writing to the same folder right now
         shutil.rmtree(d, ignore_errors=True)
+
+
+#: a temporary file this old was left by a killed process (a PNG or record is written in milliseconds)
+STALE_TEMPORARY_S = 60.0
+
+
+def _remove_stale_temporaries(out_dir: Path, names: Sequence[str]) -> int:
+    """Remove what killed processes left of the job's files (only the coordinator, before any rank
+    writes): ``write_atomic``'s temporary files of its images, its summary and the folder's record,
+    regular files (not links) untouched for ``STALE_TEMPORARY_S`` (another run writing to the folder
+    now keeps its own). Returns how many went."""
+    return _remove_stale(out_dir, {*names, "summary.json"}) + _remove_stale(_status_root(out_dir), {MADE})
+
+
+def _remove_stale(folder: Path, ours: set[str]) -> int:
+    now, removed = time.time(), 0
+    if not folder.is_dir() or folder.is_symlink():
+        return 0
+    with os.scandir(folder) as entries:
+        for e in entries:
+            m = ATOMIC_TEMPORARY.fullmatch(e.name)
+            if m is None or m.group(1) not in ours:
+                continue
+            with contextlib.suppress(OSError):
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TEMPORARY_S:
+                    os.unlink(e.path)
+                    removed += 1
+    return removed
 
 
 #: a PNG's first 8 bytes, and its last 12 (the IEND chunk: a file cut short has none)
@@ -839,6 +868,7 @@ def generate_images(
     rank, world = state.process_index, state.num_processes
     if coordinates:
         _remove_old_runs(out_dir, keep=run_id)
+        _remove_stale_temporaries(out_dir, names)
     run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if coordinates and resume:  # what the images kept and made are: the next resume holds them to it
@@ -857,8 +887,12 @@ def generate_images(
         bar.update(sum(_finished(out_dir, names, resume, started)))
         scan["next"] = now + 9 * (time.perf_counter() - now)  # a big folder's scans: a tenth of the time
 
+    # the coordinator reports; under ``launch`` (whose bar the workers' terminal shows) rank 0 reports
+    # its engine builds in lines that name it; the other ranks stay quiet
+    launched = not coordinates and rank == 0 and os.environ.get(RUN_ENV) is not None
+    reporting = progress.reporting(show and (coordinates or launched), None if coordinates else "rank 0")
     try:
-        with progress.reporting(show and coordinates):  # the other ranks stay quiet
+        with reporting:
             record = _run_share(
                 pipeline_factory,
                 prompts,
@@ -944,6 +978,7 @@ def launch(
     started = time.time()
     run_id, token = uuid.uuid4().hex[:16], secrets.token_hex(16)
     _remove_old_runs(out_dir, keep=run_id)
+    _remove_stale_temporaries(out_dir, names)
     run_dir = _status_root(out_dir) / run_id
     run_dir.mkdir(mode=0o700, parents=True)
     if made is not None and resume:
