@@ -332,9 +332,11 @@ def test_empty_inputs_and_peft_layers_are_refused():
     ct = compile_prx(model, backend="eager", **SMALL_RANGE)
     with pytest.raises(ShapeOutOfRangeError, match="empty input"):
         ct(**prx_inputs(model, batch=0, h=16, w=16), return_dict=False)
-    model.peft_config = {"default": object()}  # what diffusers' load_lora_weights leaves on the model
-    with pytest.raises(ConfigError, match="PEFT adapters.*prx_compile.load_lora"):
+    model.peft_config = {"default": object()}  # what PEFT leaves on a model it injected layers into
+    with pytest.raises(ConfigError, match="PEFT adapters.*load the LoRA on the compiled pipeline"):
         ct(**prx_inputs(model, h=16, w=16), return_dict=False)
+    with pytest.raises(ConfigError, match="holds PEFT adapters"):  # before a compile, too
+        compile_prx(model, backend="eager", **SMALL_RANGE)
 
 
 def test_report_says_where_each_sets_first_call_went(capsys):

@@ -1,5 +1,6 @@
 """LoRA: adapters fused into the transformer's weights, eager or compiled, exact to unload
-(``adapters``: reading PEFT and kohya files, fuse/unfuse, engine refit, the saved LoRA state)."""
+(``adapters``: reading PEFT and kohya files, fuse/unfuse, engine refit, the saved LoRA state;
+``diffusers``: diffusers' LoRA methods on a compiled transformer, over those adapters)."""
 
 from .adapters import (
     Adapter,

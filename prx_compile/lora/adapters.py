@@ -52,7 +52,6 @@ from ..errors import ConfigError, LoRAError, excerpt
 from ..models import spec_for
 from ..quant import fp8
 from ..runtime import follower
-from ..runtime.module import CompiledTransformer
 from ..runtime.watch import INTERNAL_HOOKS
 
 logger = logging.getLogger(__name__)
@@ -207,60 +206,6 @@ class LoRAKeeper:
         _record(self.transformer, state)
         return rebased
 
-    # -- diffusers' adapter methods (PeftAdapterMixin's), which ``CompiledTransformer`` takes from
-    # the keeper it finds on the transformer (the runtime does not import this module). ``model``:
-    # the compiled module, whose engines a change refits.
-    def adapters(self) -> dict[str, str]:
-        """The loaded adapters: name -> where they came from."""
-        state = self.transformer.__dict__.get("_prx_lora")
-        return {n: a.source for n, a in state.adapters.items()} if state is not None else {}
-
-    def active(self) -> dict[str, float]:
-        """The adapters in the weights and their scales ({} while disabled)."""
-        state = self.transformer.__dict__.get("_prx_lora")
-        return dict(state.active) if state is not None else {}
-
-    def set_adapters(self, model: Any, names: list[str], scales: list[float]) -> None:
-        """``set_lora``; while disabled, the adapters ``enable`` will apply (as PEFT keeps layers
-        disabled through ``set_adapters``)."""
-        state = _state(self.transformer)
-        if state.disabled is None:
-            set_lora(model, names, scales)
-            return
-        _check_active(state, names, scales)
-        state.disabled = dict(zip(names, map(float, scales), strict=True))
-        for n, scale in state.disabled.items():
-            state.adapters[n].scale = scale
-
-    def disable(self, model: Any) -> None:
-        """The base weights, the active adapters set aside for ``enable``."""
-        state = _state(self.transformer)
-        if state.disabled is None:
-            active = dict(state.active)
-            _apply(self.transformer, _target(model)[1], state, {})
-            state.disabled = active
-
-    def enable(self, model: Any) -> None:
-        """The adapters ``disable`` set aside, applied again."""
-        state = _state(self.transformer)
-        if state.disabled is not None:
-            _apply(self.transformer, _target(model)[1], state, state.disabled)
-            state.disabled = None
-
-    def delete(self, model: Any, names: list[str]) -> None:
-        """``unload_lora(model, names)``; then, as PEFT does, when adapters are left and none of them
-        is active (or set aside by ``disable``), the first loaded is, at the scale it last had."""
-        unload_lora(model, names)
-        state = _state(self.transformer)
-        if not state.adapters or (state.disabled if state.disabled is not None else state.active):
-            return
-        first = next(iter(state.adapters.values()))
-        logger.warning("the active LoRA adapters were deleted: %r is active now (as PEFT does)", first.name)
-        if state.disabled is not None:
-            state.disabled = {first.name: first.scale}
-        else:
-            _apply(self.transformer, _target(model)[1], state, {first.name: first.scale})
-
 
 def _holds(p: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``p`` holds ``value`` (a merge recomputed, rounded through ``dtype``) up to what a
@@ -306,7 +251,7 @@ def _eager_sync(module: torch.nn.Module, args: Any) -> None:
 # -- reading -----------------------------------------------------------------------------------
 def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[float, int] | None]:
     """Tensors of a LoRA safetensors file (or a directory holding one), and the (scale, rank) its
-    adapter config gives (``_config_scale``), if any: PEFT's ``adapter_config.json`` beside it, or the
+    adapter config gives (``config_scale``), if any: PEFT's ``adapter_config.json`` beside it, or the
     ``lora_adapter_metadata`` diffusers' ``save_lora_weights`` writes in the file's header."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
@@ -316,7 +261,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
     if p.is_dir():
         cfg = p / "adapter_config.json"
         if cfg.is_file():
-            config = _config_scale(_json_file(cfg), str(cfg))
+            config = config_scale(_json_file(cfg), str(cfg))
         found = [p / f for f in _FILES if (p / f).is_file()]
         if not found:
             raise LoRAError(f"{p} holds no LoRA file (looked for {list(_FILES)}).")
@@ -343,7 +288,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
         # save_lora_adapter writes them bare
         mine = {k[len("transformer.") :]: v for k, v in meta.items() if k.startswith("transformer.")}
         mine = mine or {k: v for k, v in meta.items() if "." not in k}
-        found_config = _config_scale(mine, where) if mine else None
+        found_config = config_scale(mine, where) if mine else None
         if config is not None and found_config is not None and found_config != config:
             raise LoRAError(f"{p}: its {ADAPTER_METADATA} and adapter_config.json give different alpha / r.")
         config = config or found_config
@@ -364,7 +309,7 @@ def _json_file(path: Path) -> Any:
         raise LoRAError(f"{path} is not valid JSON ({type(e).__name__}).") from e
 
 
-def _config_scale(c: Any, where: str) -> tuple[float, int] | None:
+def config_scale(c: Any, where: str) -> tuple[float, int] | None:
     """(the layers' scale, their rank) from a PEFT LoraConfig as a dict (None when it gives neither
     alpha nor r): lora_alpha / r, or lora_alpha / sqrt(r) with ``use_rslora``; alpha a positive number
     up to ``MAX_ALPHA``, r a positive integer up to ``MAX_RANK``. Per-layer patterns
@@ -546,10 +491,18 @@ def _module_name(raw: str, kohya: bool, linears: dict, by_underscore: dict) -> s
 
 
 # -- applying ----------------------------------------------------------------------------------
+def _compiled(model: Any) -> bool:
+    """Is ``model`` a ``CompiledTransformer`` (the one object with a change follower; the runtime
+    imports this stage, so the class is not imported here)?"""
+    return isinstance(model, torch.nn.Module) and isinstance(
+        model.__dict__.get("follower"), follower.ChangeFollower
+    )
+
+
 def _target(model: Any):
     """(transformer holding the weights, compiled module or None) for a model/compiled/pipeline."""
-    model = getattr(model, "transformer", model) if not isinstance(model, CompiledTransformer) else model
-    if isinstance(model, CompiledTransformer):
+    model = model if _compiled(model) else getattr(model, "transformer", model)
+    if _compiled(model):
         return model.transformer, model
     if not isinstance(model, torch.nn.Module):
         raise LoRAError(
@@ -701,6 +654,21 @@ def load_lora(
     Returns {"adapter", "layers", "unmatched", "changed", "refit"?}. Raises LoRAError, leaving the model
     as it was, on a bad file, unknown layers (``strict``), shape/rank mismatches or a taken name.
     """
+    return load(model, lora, name, scale, strict=strict)
+
+
+def load(
+    model: Any,
+    lora: str | Path | dict[str, torch.Tensor],
+    name: str,
+    scale: float = 1.0,
+    *,
+    strict: bool = True,
+    config: tuple[float, int] | None = None,
+    alone: bool = False,
+) -> dict[str, Any]:
+    """``load_lora``; ``config``: (scale, rank) for a state dict (a file's own comes from the file);
+    ``alone``: the new adapter is the only one active (as diffusers' ``load_lora_weights`` leaves it)."""
     transformer, compiled = _target(model)
     state = _state(transformer)
     if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
@@ -710,7 +678,7 @@ def load_lora(
         raise LoRAError(
             f"an adapter named {name!r} is already loaded.", "unload_lora() first, or use another name."
         )
-    config, source = None, "state dict"
+    source = "state dict"
     if isinstance(lora, (str, Path)):
         source = str(lora)
         lora, config = read_lora_file(lora)
@@ -718,7 +686,7 @@ def load_lora(
     adapter = parse_lora(lora, transformer, name, strict=strict, config=config, source=source)
     state.adapters[name] = adapter
     try:
-        report = _apply(transformer, compiled, state, {**state.active, name: float(scale)})
+        report = _apply(transformer, compiled, state, {**({} if alone else state.active), name: float(scale)})
     except Exception:
         del state.adapters[name]
         _record(transformer, state)
@@ -796,6 +764,70 @@ def unload_lora(model: Any, names: str | list[str] | None = None) -> dict[str, A
         state.disabled = None
     _record(transformer, state)
     return report
+
+
+# -- diffusers' adapter methods (PEFT's semantics), for ``lora.diffusers`` ----------------------------
+def loaded(model: Any) -> dict[str, str]:
+    """The loaded adapters, in load order: name -> where each came from."""
+    state = _target(model)[0].__dict__.get("_prx_lora")
+    return {n: a.source for n, a in state.adapters.items()} if state is not None else {}
+
+
+def active(model: Any, *, set_aside: bool = False) -> dict[str, float]:
+    """The adapters in the weights and their scales: {} while disabled, or (``set_aside``, as PEFT
+    reports them) those ``enable_lora`` will apply."""
+    state = _target(model)[0].__dict__.get("_prx_lora")
+    if state is None:
+        return {}
+    return dict(state.disabled if set_aside and state.disabled is not None else state.active)
+
+
+def set_adapters(model: Any, names: list[str], scales: list[float]) -> None:
+    """``set_lora``; while disabled, what ``enable_lora`` will apply (PEFT keeps its layers disabled
+    through ``set_adapters``)."""
+    state = _state(_target(model)[0])
+    if state.disabled is None:
+        set_lora(model, names, scales)
+        return
+    _check_active(state, names, scales)
+    state.disabled = dict(zip(names, map(float, scales), strict=True))
+    for n, scale in state.disabled.items():
+        state.adapters[n].scale = scale
+
+
+def disable_lora(model: Any) -> None:
+    """The base weights; the active adapters set aside for ``enable_lora``."""
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    if state.adapters and state.disabled is None:
+        set_aside = dict(state.active)
+        _apply(transformer, compiled, state, {})
+        state.disabled = set_aside
+
+
+def enable_lora(model: Any) -> None:
+    """The adapters ``disable_lora`` set aside, applied again."""
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    if state.disabled is not None:
+        _apply(transformer, compiled, state, state.disabled)
+        state.disabled = None
+
+
+def delete_adapters(model: Any, names: list[str]) -> None:
+    """``unload_lora(model, names)``; then, as PEFT does, when adapters are left and none of them is
+    active (or set aside by ``disable_lora``), the first loaded is, at the scale it last had."""
+    unload_lora(model, names)
+    transformer, compiled = _target(model)
+    state = _state(transformer)
+    if not state.adapters or (state.disabled if state.disabled is not None else state.active):
+        return
+    first = next(iter(state.adapters.values()))
+    logger.warning("the active LoRA adapters were deleted: %r is active now (as PEFT does)", first.name)
+    if state.disabled is not None:
+        state.disabled = {first.name: first.scale}
+    else:
+        _apply(transformer, compiled, state, {first.name: first.scale})
 
 
 def summary(model: Any) -> dict[str, Any] | None:

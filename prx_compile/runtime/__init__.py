@@ -7,9 +7,7 @@
 * ``follower``: what a change of the transformer costs before the next call; the keepers (a LoRA,
   FP8 copies) register there;
 * ``watch``: what changed in the transformer since its engine sets were built;
-* ``cudagraphs``: whole-step CUDA graphs, captured once per input signature and replayed;
-* ``adapters``: diffusers' adapter methods (``set_adapters``, ``disable_lora``, ...) over the LoRA
-  keeper registered on the transformer.
+* ``cudagraphs``: whole-step CUDA graphs, captured once per input signature and replayed.
 """
 
 from .module import CompiledTransformer, compile_prx, compile_transformer

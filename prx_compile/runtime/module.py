@@ -24,11 +24,11 @@ from ..backends import Backend
 from ..backends.base import empty_report
 from ..config import CompileConfig
 from ..errors import ConfigError
+from ..lora.diffusers import DiffusersLoRA
 from ..models import SPECS, ModelSpec, spec_for
 from ..plan import Plan
 from ..quant import fp8
 from ..shapes import ShapeRange
-from .adapters import DiffusersAdapters
 from .engine_sets import EngineSets
 from .follower import ChangeFollower, keepers
 
@@ -112,7 +112,7 @@ class _Refused:
         )
 
 
-class CompiledTransformer(_Refused, DiffusersAdapters, torch.nn.Module):
+class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
     """A compiled diffusers transformer with the same call signature and the transformer's module view.
 
     One copy of the weights: the transformer is held outside ``_modules`` (registering it would make
@@ -128,8 +128,8 @@ class CompiledTransformer(_Refused, DiffusersAdapters, torch.nn.Module):
     Made for a diffusers model, the object's class is a subclass of both this class and the
     transformer's (named like it), so diffusers' ``register_modules`` records the transformer's
     library and class in ``model_index.json`` and ``pipe.save_pretrained`` saves the transformer.
-    diffusers' adapter methods (``set_adapters``, ``disable_lora``, ``unload_lora``, ...) act on the
-    LoRA ``prx_compile.load_lora`` loaded (``runtime.adapters``).
+    diffusers' LoRA methods (``load_lora_adapter``, ``set_adapters``, ``disable_lora``, ...) act on
+    prx_compile's adapters (``lora.diffusers``).
 
     Attributes:
         transformer: the original module; its parameters are the one copy of the weights.
@@ -391,12 +391,7 @@ class CompiledTransformer(_Refused, DiffusersAdapters, torch.nn.Module):
         encoder_hidden_states (B, T, C), attention_mask (B, T); FLUX: hidden_states (B, L, C), ...,
         img_ids, txt_ids, guidance) and ``return_dict``; the same prediction."""
         return_dict = kwargs.get("return_dict", True)
-        if getattr(self.transformer, "peft_config", None):  # layers replaced: the engines would not see them
-            raise ConfigError(
-                "the transformer holds PEFT adapters (diffusers' load_lora_weights), which a compiled "
-                "transformer cannot apply.",
-                "unload them and use prx_compile.load_lora, which updates the weights the engines read.",
-            )
+        _refuse_peft_layers(self.transformer)
         if torch.is_grad_enabled() and self.transformer.training and not self._grad_warned:
             self._warn_no_grad()
         with torch.no_grad():
@@ -575,6 +570,18 @@ def _compiled_class(model_class: type) -> type:
     )
 
 
+def _refuse_peft_layers(transformer: torch.nn.Module) -> None:
+    """PEFT layers (a LoRA loaded on the eager transformer, or injected by PEFT) replace linears the
+    engines never call: refused, before a compile and at every call."""
+    if getattr(transformer, "peft_config", None):
+        raise ConfigError(
+            "the transformer holds PEFT adapters (a LoRA loaded before compiling, or injected by PEFT), "
+            "whose layers a compiled transformer's engines never call.",
+            "pipe.unload_lora_weights() first (pipe.fuse_lora() before it keeps the LoRA in the weights), "
+            "compile, then load the LoRA on the compiled pipeline.",
+        )
+
+
 def _refuse_sequential_offload(hook: Any) -> None:
     """accelerate's ``cpu_offload`` (``enable_sequential_cpu_offload``) moves each layer's weights
     to the device at its call: engines never call the layers. Model offload (``CpuOffload``) is fine."""
@@ -659,6 +666,7 @@ def compile_transformer(
     why = spec.config_problem(transformer.config)
     if why is not None:
         raise ConfigError(f"this {type(transformer).__name__} cannot run: {why}.")
+    _refuse_peft_layers(transformer)
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)
