@@ -10,8 +10,9 @@ operation, to what the semantics promise (docs/semantics.md):
   the *base* value of what they write; the active adapters stay applied over it;
 * ``unload_lora`` leaves exactly the base weights; ``set_lora`` changes the active adapters only;
 * diffusers' verbs act as PEFT's: ``disable_lora`` sets the active adapters aside (``set_adapters``
-  then changes what ``enable_lora`` applies); ``delete_adapters`` drops some, and when adapters are
-  left and none is active the first loaded is, at the scale it last had;
+  then changes what ``enable_lora`` applies); ``load_lora_adapter`` (``load_lora_weights``) makes the
+  new adapter alone active; ``delete_adapters`` drops some, and when an active one went and none is
+  left active, the first left by name is, at the scale it last had;
 * ``save_compiled`` + ``load_compiled`` keeps everything (the loaded module replaces the compiled one);
 * ``.to(dtype)`` casts the base weights; ``save_pretrained`` writes the weights that run.
 
@@ -157,15 +158,25 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             setup.steps += 1
 
         # -- LoRA --------------------------------------------------------------------------------
-        @rule(seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 0.5, -0.7, 1.3]))
-        def load(self, seed, scale):
+        @rule(
+            seed=st.integers(0, 2**16),
+            scale=st.sampled_from([1.0, 0.5, -0.7, 1.3]),
+            diffusers=st.booleans(),
+        )
+        def load(self, seed, scale, diffusers):
             name = f"l{self.names}"
             self.names += 1
             lora = make_random_lora(self.transformer, rank=2 + seed % 3, seed=seed, std=setup.lora_std)
-            load_lora(self.ct, lora, name, scale=scale)
-            self.mirror.adapters[name] = peft_pairs(lora)
-            self.mirror.activate({**self.mirror.active, name: scale})
-            self.note(f"load_lora {name} {scale}")
+            m = self.mirror
+            m.adapters[name] = peft_pairs(lora)
+            if diffusers:  # as load_lora_weights hands it over: alone active at 1.0 (set aside if disabled)
+                self.ct.load_lora_adapter(lora, adapter_name=name)
+                m.activate({name: 1.0}, disabled=m.disabled is not None)
+                self.note(f"load_lora_adapter {name}")
+            else:  # with the adapters active, enabled
+                load_lora(self.ct, lora, name, scale=scale)
+                m.activate({**m.active, name: scale})
+                self.note(f"load_lora {name} {scale}")
 
         @precondition(lambda self: bool(self.mirror.adapters))
         @rule(data=st.data())
@@ -221,11 +232,12 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             for n in gone:
                 del m.adapters[n]
             off = m.disabled is not None
-            left = {n: v for n, v in (m.disabled if off else m.active).items() if n not in gone}
-            if m.adapters and not left:  # PEFT: the first loaded is active, at its last scale
-                first = next(iter(m.adapters))
+            current = m.disabled if off else m.active
+            left = {n: v for n, v in current.items() if n not in gone}
+            if m.adapters and not left and set(gone) & set(current):
+                first = min(m.adapters)  # PEFT: the first left by name is active, at its last scale
                 left = {first: m.last[first]}
-            m.activate(left, disabled=off and bool(m.adapters))
+            m.activate(left, disabled=off)  # PEFT's layers stay disabled, all adapters gone or not
             self.note(f"delete_adapters {gone}")
 
         # -- base weights --------------------------------------------------------------------------

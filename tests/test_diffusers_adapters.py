@@ -5,6 +5,7 @@ in the weights, silently). CPU, eager backend, the tiny FLUX.1; outputs compared
 LoRA (PEFT) on an eager copy where PEFT is installed (the dev extra has it), and with ``load_lora`` /
 ``set_lora`` on an eager copy."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,109 @@ def test_a_transformer_holding_peft_layers_is_refused_before_compiling():
     pipe.unload_lora_weights()
     ct = compile_transformer(pipe.transformer, backend="eager")
     assert rel(ct(**kw, return_dict=False)[0], want) < 1e-5
+
+
+def _text_encoder_lora(pipe):
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n, m in pipe.text_encoder.named_modules():
+        if isinstance(m, torch.nn.Linear) and n.endswith("q_proj"):
+            out[f"text_encoder.{n}.lora_A.weight"] = torch.randn(2, m.in_features, generator=g) * 0.2
+            out[f"text_encoder.{n}.lora_B.weight"] = torch.randn(m.out_features, 2, generator=g) * 0.2
+    return out
+
+
+def _with_metadata(tmp_path, lora):
+    """``lora`` as diffusers' save_lora_weights writes it: alpha 8 / r 2 in the header's metadata only."""
+    from diffusers import FluxPipeline
+
+    layers = {k.removeprefix("transformer."): v for k, v in lora.items()}
+    targets = sorted({k.split(".lora_")[0] for k in layers})
+    FluxPipeline.save_lora_weights(
+        tmp_path,
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata={"r": 2, "lora_alpha": 8, "target_modules": targets},
+    )
+    return tmp_path / "pytorch_lora_weights.safetensors"
+
+
+@pytest.mark.parametrize(
+    "sequence",
+    [
+        "delete-order",
+        "delete-inactive",
+        "load-disabled",
+        "delete-all-disabled",
+        "metadata",
+        "text-encoder",
+        "alphas",
+    ],
+)
+def test_sequences_a_review_found_match_peft(tmp_path, sequence):
+    """Each was 0.07-0.70 off PEFT in the first version of 0.28 (a review of it): which adapter a
+    delete activates (the first by name, and only when an active one went), a load while disabled,
+    PEFT's layers staying disabled, alpha from a file's metadata, a text-encoder-only LoRA, alphas
+    on some layers only (the most common for the rest)."""
+    pytest.importorskip("peft")
+    ours, theirs = tiny_flux_pipeline(make_flux(seed=0)), tiny_flux_pipeline(make_flux(seed=0))
+    ours.transformer = compile_transformer(ours.transformer, backend="eager")
+    kw = inputs(theirs.transformer)
+    ref = make_flux(seed=0)
+    lo = {n: make_random_lora(ref, rank=2, seed=s, std=0.2) for n, s in (("a", 1), ("b", 2), ("c", 3))}
+    with torch.no_grad():
+        base = ref(**kw, return_dict=False)[0]
+    partial = make_random_lora(ref, rank=2, seed=4, std=0.2, alpha=6.0)
+    partial = {k: v for k, v in partial.items() if not (k.endswith(".alpha") and "single" in k)}
+    steps = {
+        "delete-order": [("load", "c"), ("load", "b"), ("load", "a"), ("delete", "a")],
+        "delete-inactive": [("load", "a"), ("load", "b"), ("set", []), ("delete", "b")],
+        "load-disabled": [("load", "a"), ("disable",), ("load", "b"), ("enable",)],
+        "delete-all-disabled": [("load", "a"), ("disable",), ("delete", "a"), ("load", "c"), ("enable",)],
+        "metadata": [("file", _with_metadata(tmp_path, lo["a"]))],
+        "text-encoder": [("load", "a"), ("dict", _text_encoder_lora(theirs))],
+        "alphas": [("dict", partial), ("set", ["default_0"], [np.float32(0.5)])],
+    }[sequence]
+    for step in steps:
+        for p in (ours, theirs):
+            verb, *args = step
+            if verb == "load":
+                p.load_lora_weights(lo[args[0]], adapter_name=args[0])
+            elif verb == "dict":
+                p.load_lora_weights(args[0])
+            elif verb == "file":
+                p.load_lora_weights(args[0].parent, weight_name=args[0].name)
+            elif verb == "set":  # the transformer's: a pipeline refuses an empty list
+                p.transformer.set_adapters(*args)
+            elif verb == "delete":
+                p.delete_adapters(args[0])
+            else:
+                getattr(p, f"{verb}_lora")()
+        with torch.no_grad():
+            a = ours.transformer(**kw, return_dict=False)[0]
+            b = theirs.transformer(**kw, return_dict=False)[0]
+        assert rel(a, b) < 1e-5, (step, rel(a, b), rel(b, base))
+        assert ours.get_list_adapters().get("transformer") == theirs.get_list_adapters().get("transformer")
+
+
+def test_a_saved_module_keeps_the_scales_and_what_disable_set_aside(tmp_path):
+    """save_compiled / load_compiled keep each adapter's last scale (a delete reads it) and what
+    disable_lora set aside (0.28's first version lost both)."""
+    from prx_compile import load_compiled, save_compiled
+
+    model, twin = make_flux(seed=0), make_flux(seed=0)
+    ct = compile_transformer(model, backend="eager")
+    kw = inputs(model)
+    for name, lora in loras(model).items():
+        ct.load_lora_adapter(lora, adapter_name=name)
+        load_lora(twin, lora, name)
+    ct.set_adapters(["a", "b"], [0.5, 1.0])
+    ct.set_adapters("b")
+    ct.disable_lora()
+    ct = load_compiled(save_compiled(ct, tmp_path / "art"))
+    assert ct.active_adapters() == ["b"] and torch.equal(
+        *(m(**kw, return_dict=False)[0] for m in (ct, make_flux(seed=0)))
+    )
+    ct.enable_lora()
+    ct.delete_adapters("b")  # a comes back at its last scale
+    set_lora(twin, ["a"], [0.5])
+    assert rel(ct(**kw, return_dict=False)[0], eager(twin, kw)) < 1e-5

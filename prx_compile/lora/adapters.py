@@ -668,7 +668,8 @@ def load(
     alone: bool = False,
 ) -> dict[str, Any]:
     """``load_lora``; ``config``: (scale, rank) for a state dict (a file's own comes from the file);
-    ``alone``: the new adapter is the only one active (as diffusers' ``load_lora_weights`` leaves it)."""
+    ``alone``: the new adapter is the only one active (as diffusers' ``load_lora_weights`` leaves it;
+    while disabled, the only one ``enable_lora`` applies)."""
     transformer, compiled = _target(model)
     state = _state(transformer)
     if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
@@ -685,6 +686,11 @@ def load(
     lora = _converted(transformer, lora, name)
     adapter = parse_lora(lora, transformer, name, strict=strict, config=config, source=source)
     state.adapters[name] = adapter
+    if alone and state.disabled is not None:  # PEFT's layers stay disabled: what enable_lora applies
+        adapter.scale = float(scale)
+        state.disabled = {name: float(scale)}
+        _record(transformer, state)
+        return {"adapter": name, "layers": len(adapter.layers), "unmatched": adapter.unmatched, "changed": 0}
     try:
         report = _apply(transformer, compiled, state, {**({} if alone else state.active), name: float(scale)})
     except Exception:
@@ -815,14 +821,26 @@ def enable_lora(model: Any) -> None:
 
 
 def delete_adapters(model: Any, names: list[str]) -> None:
-    """``unload_lora(model, names)``; then, as PEFT does, when adapters are left and none of them is
-    active (or set aside by ``disable_lora``), the first loaded is, at the scale it last had."""
-    unload_lora(model, names)
+    """``unload_lora(model, names)`` for the names loaded (others may be another component's: PEFT
+    passes them over); then, as PEFT does, when an active adapter (or one ``disable_lora`` set aside)
+    was deleted and none is left active, the first remaining by name is, at the scale it last had."""
     transformer, compiled = _target(model)
     state = _state(transformer)
-    if not state.adapters or (state.disabled if state.disabled is not None else state.active):
+    names = [n for n in names if n in state.adapters]
+    if not names:
         return
-    first = next(iter(state.adapters.values()))
+    off = state.disabled is not None
+    deleted_active = any(n in (state.disabled if off else state.active) for n in names)
+    unload_lora(model, names)
+    if off and state.disabled is None:  # all gone: PEFT's layers stay disabled until unload_lora
+        state.disabled = {}
+    if (
+        not deleted_active
+        or not state.adapters
+        or (state.disabled if state.disabled is not None else state.active)
+    ):
+        return
+    first = state.adapters[min(state.adapters)]
     logger.warning("the active LoRA adapters were deleted: %r is active now (as PEFT does)", first.name)
     if state.disabled is not None:
         state.disabled = {first.name: first.scale}
@@ -856,10 +874,14 @@ def export_state(
         adapters[name] = {
             "source": adapter.source[:500],
             "layers": {m: lay.scale for m, lay in adapter.layers.items()},
+            "scale": adapter.scale,
         }
         for mod, layer in adapter.layers.items():
             tensors[f"{name}/{mod}/down"], tensors[f"{name}/{mod}/up"] = layer.down, layer.up
-    return dict(state.originals), tensors, {"adapters": adapters, "active": dict(state.active)}
+    record = {"adapters": adapters, "active": dict(state.active)}
+    if state.disabled is not None:
+        record["disabled"] = dict(state.disabled)
+    return dict(state.originals), tensors, record
 
 
 #: the LoRA record an artifact holds (``export_state``); the matrices are checked against the model
@@ -873,12 +895,17 @@ _RECORD = schema.Dict(
                     "layers": schema.Map(
                         schema.Str(300), schema.Float(-MAX_LAYER_SCALE, MAX_LAYER_SCALE), max_len=100_000
                     ),
-                }
+                    "scale": schema.Float(-MAX_SCALE, MAX_SCALE),  # since 0.28: the scale it last had
+                },
+                optional=("scale",),
             ),
             max_len=1000,
         ),
         "active": schema.Map(schema.Str(64), schema.Float(-MAX_SCALE, MAX_SCALE), max_len=1000),
-    }
+        # since 0.28: what diffusers' disable_lora set aside (the weights hold no adapter then)
+        "disabled": schema.Map(schema.Str(64), schema.Float(-MAX_SCALE, MAX_SCALE), max_len=1000),
+    },
+    optional=("disabled",),
 )
 
 
@@ -889,8 +916,8 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
         schema.check(_RECORD, record, "the LoRA record")
     except schema.SchemaError as e:
         raise LoRAError(str(e)) from e
-    adapters_data, active = record["adapters"], record["active"]
-    if not set(active) <= set(adapters_data):
+    adapters_data, active, disabled = record["adapters"], record["active"], record.get("disabled")
+    if not set(active) | set(disabled or {}) <= set(adapters_data) or active and disabled is not None:
         raise LoRAError("the LoRA record's adapters and active scales do not match.")
     _check_scales(list(active.values()))
     linears = _linear_names(transformer)
@@ -915,7 +942,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
                 raise LoRAError(f"adapter {name!r}: layer {mod} matrices do not fit or are not finite.")
             dev = _compute_device(lin)
             layers[mod] = LoRALayer(down.to(dev), up.to(dev), float(scale))
-        adapters[name] = Adapter(name, layers, [], data["source"])
+        adapters[name] = Adapter(name, layers, [], data["source"], float(data.get("scale", 1.0)))
     named = {
         f"{n}/{mod}/{part}"
         for n, d in adapters_data.items()
@@ -928,6 +955,7 @@ def restore_state(transformer: torch.nn.Module, record: Any, tensors: dict[str, 
     state = _state(transformer)
     state.adapters.update(adapters)
     _apply(transformer, None, state, dict(active))
+    state.disabled = None if disabled is None else dict(disabled)
 
 
 def make_random_lora(

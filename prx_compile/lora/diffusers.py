@@ -12,22 +12,27 @@ adapters (``lora.adapters``), with PEFT's meaning:
 diffusers (model; a pipeline's call them)    on a compiled transformer
 ===========================================  ==============================================
 ``load_lora_adapter`` (``load_lora_weights``)  ``load_lora``, the new adapter alone active at
-                                             1.0 (diffusers' own conversion of the file
-                                             comes first; alpha from its ``network_alphas``
-                                             or ``metadata``); a local path or a state dict
+                                             1.0, or set aside while disabled (diffusers'
+                                             conversion of the file comes first; its
+                                             ``<prefix>.`` keys only; alpha from its
+                                             ``network_alphas`` or ``metadata``); a local
+                                             path or a state dict
 ``set_adapters(names, weights)``             ``set_lora`` (a weight of None is 1.0; per-block
                                              weights are refused)
 ``set_adapter(name)``                        ``set_adapters([name])``
 ``disable_lora``, ``disable_adapters``       the base weights; the active adapters set aside
 ``enable_lora``, ``enable_adapters``         the adapters set aside, applied again
-``delete_adapters(names)``                   ``unload_lora(compiled, names)``; then, as PEFT,
-                                             when some are left and none is active, the
-                                             first loaded is, at the scale it last had
+``delete_adapters(names)``                   ``unload_lora(compiled, names)`` for the names
+                                             loaded; then, as PEFT, when an active one went
+                                             and none is left active, the first left by
+                                             name is, at the scale it last had
 ``unload_lora``                              ``unload_lora(compiled)``
 ``active_adapters()``, ``peft_config``       the active adapters (disabled too); the loaded ones
 ``fuse_lora``, ``unfuse_lora``,              refused in one line (the LoRA is in the weights
 ``save_lora_adapter``, ``add_adapter``,      already; no PEFT layers or configs to fuse,
-``enable_lora_hotswap``, ``hotswap=True``    unfuse, save, add or swap)
+``enable_lora_hotswap``, ``hotswap=True``    unfuse, save, add or swap; a pipeline's
+                                             ``unfuse_lora`` calls none of them: it does
+                                             nothing)
 ===========================================  ==============================================
 
 A pipeline's ``get_active_adapters`` looks for PEFT layers in the modules: it returns [] here
@@ -36,6 +41,7 @@ A pipeline's ``get_active_adapters`` looks for PEFT layers in the modules: it re
 
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 from typing import Any
@@ -93,10 +99,18 @@ class DiffusersLoRA:
             if not path.exists():
                 raise LoRAError(f"{path} is not a local LoRA file or folder (nothing is downloaded).")
             state, config = lora.read_lora_file(path)
-        mine = {k: v for k, v in state.items() if prefix is not None and k.startswith(f"{prefix}.")}
-        state = mine or state  # diffusers' keys are prefixed; a file of another layout is not
+        if prefix is not None:  # as diffusers: only this component's keys, and its part of the metadata
+            state = {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
+            metadata = {
+                k.removeprefix(f"{prefix}."): v
+                for k, v in (metadata or {}).items()
+                if k.startswith(f"{prefix}.")
+            }
+        if not state:  # a LoRA of the text encoders only: theirs to load (diffusers says the same)
+            logger.warning("no LoRA keys for the transformer with prefix %r: nothing loaded into it", prefix)
+            return
         if alphas:
-            state.update(_alpha_tensors(alphas, prefix))
+            state.update(_alpha_tensors(state, alphas, prefix))
         if metadata:
             config = lora.config_scale(metadata, "load_lora_adapter: metadata")
         if name is None:
@@ -113,8 +127,10 @@ class DiffusersLoRA:
                 "set_adapters: per-block LoRA weights (a dict) are not supported on a compiled transformer.",
                 "give one number per adapter.",
             )
+        if len(set(names)) != len(names):
+            raise LoRAError(f"set_adapters: an adapter is named twice in {names[:10]}.")
         self._loaded("set_adapters")
-        lora.set_adapters(self, names, [1.0 if w is None else w for w in weights])
+        lora.set_adapters(self, names, [1.0 if w is None else _number(w) for w in weights])
 
     def set_adapter(self, adapter_name: str | list[str]) -> None:
         self.set_adapters(adapter_name)
@@ -129,7 +145,7 @@ class DiffusersLoRA:
     enable_adapters = enable_lora
 
     def delete_adapters(self, adapter_names: str | list[str]) -> None:
-        self._loaded("delete_adapters")
+        """Names not loaded here are passed over, as PEFT does (a pipeline names the text encoders' too)."""
         lora.delete_adapters(self, [adapter_names] if isinstance(adapter_names, str) else list(adapter_names))
 
     def unload_lora(self) -> None:
@@ -160,15 +176,32 @@ class DiffusersLoRA:
     unfuse_lora = save_lora_adapter = add_adapter = enable_lora_hotswap = fuse_lora
 
 
-def _alpha_tensors(alphas: dict[str, Any], prefix: str | None) -> dict[str, torch.Tensor]:
+def _number(value: Any) -> Any:
+    """A Python number for a NumPy scalar or a one-element tensor (PEFT takes them); anything else as it
+    is, for ``set_lora``'s check to name."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value
+    return value.item() if type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1 else value
+
+
+def _alpha_tensors(
+    state: dict[str, Any], alphas: dict[str, Any], prefix: str | None
+) -> dict[str, torch.Tensor]:
     """diffusers' ``network_alphas`` (``<prefix>.<module>.alpha`` or ``...lora_A.alpha`` -> a number) as
-    the ``<module>.alpha`` tensors ``parse_lora`` reads."""
-    out = {}
+    the ``<module>.alpha`` tensors ``parse_lora`` reads; a layer of ``state`` without one gets the most
+    common alpha, as diffusers' ``get_peft_kwargs`` makes it the config's ``lora_alpha``."""
+    found: dict[str, float] = {}
     for key, value in alphas.items():
         if prefix is not None and not key.startswith(f"{prefix}."):
             continue
-        module = key.removesuffix(".alpha").split(".lora_A")[0].split(".lora_down")[0]
-        if not isinstance(value, (int, float, torch.Tensor)):
+        if isinstance(value, bool) or not isinstance(_number(value), (int, float)):
             raise LoRAError(f"network_alphas[{key[:80]!r}] is not a number.")
-        out[f"{module}.alpha"] = torch.as_tensor(value, dtype=torch.float64).reshape(1)
-    return out
+        key = key.removeprefix(f"{prefix}.") if prefix is not None else key
+        found[key.removesuffix(".alpha").split(".lora_A")[0].split(".lora_down")[0]] = float(_number(value))
+    if not found:
+        return {}
+    common = collections.Counter(found.values()).most_common(1)[0][0]
+    modules = {k.split(".lora_A")[0] for k in state if ".lora_A" in k}
+    return {
+        f"{m}.alpha": torch.tensor([found.get(m, common)], dtype=torch.float64) for m in {*found, *modules}
+    }
