@@ -289,6 +289,28 @@ def test_the_flux_pipeline_runs_the_compiled_transformer_and_makes_eagers_latent
     assert image.size == (16, 16)
 
 
+def test_another_flux_pipeline_from_pipe_takes_the_compiled_transformer_when_named():
+    """diffusers' ``from_pipe`` carries a model over only if its type is exactly the type hint's (a
+    compiled transformer's class is a subclass: diffusers warns and raises); named, it is carried
+    over, and an img2img run makes eager's latents."""
+    import numpy as np
+    from diffusers import FluxImg2ImgPipeline
+    from PIL import Image
+
+    pipe, ref = tiny_flux_pipeline(make_flux(seed=0)), tiny_flux_pipeline(make_flux(seed=0))
+    pipe.transformer = compile_transformer(pipe.transformer, backend="eager", device="cpu", **SMALL)
+    with pytest.raises(ValueError, match="transformer"):
+        FluxImg2ImgPipeline.from_pipe(pipe)
+    img2img = FluxImg2ImgPipeline.from_pipe(pipe, transformer=pipe.transformer)
+    assert img2img.transformer is pipe.transformer
+    image = Image.fromarray((np.random.RandomState(0).rand(16, 16, 3) * 255).astype("uint8"))
+    args = dict(prompt="a cat", image=image, strength=0.8, height=16, width=16, num_inference_steps=2)
+    args.update(max_sequence_length=8, output_type="latent")
+    out = img2img(**args, generator=torch.Generator().manual_seed(0)).images
+    want = FluxImg2ImgPipeline.from_pipe(ref)(**args, generator=torch.Generator().manual_seed(0)).images
+    assert torch.equal(out, want) and want.abs().max() > 0.1
+
+
 def test_the_fused_attention_is_diffusers_processor_op_for_op():
     """``flux_attention`` (norms, text first, RoPE as rotations, attention) in place of diffusers'
     processor: the same numbers in fp32 (CPU), in double and single blocks; a rotation table that
