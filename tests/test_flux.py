@@ -62,7 +62,7 @@ def test_bad_flux_inputs_are_one_line_before_any_work():
         ({"img_ids": kw["img_ids"][:5]}, r"img_ids has shape \(5, 3\), expected \(64, 3\)"),
         ({"guidance": None}, r"guidance is None, and this FLUX transformer has a guidance embedding"),
         ({"timestep": torch.zeros(2, 3)}, r"timestep has shape \(2, 3\), expected \(2,\), \(1,\)"),
-        ({"joint_attention_kwargs": {"scale": 0.5}}, r"joint_attention_kwargs \['scale'\].*set_lora"),
+        ({"joint_attention_kwargs": {"scale": 0.5}}, r"joint_attention_kwargs \['scale'\].*set_adapters"),
         ({"controlnet_block_samples": [kw["hidden_states"]]}, r"ControlNet residuals are not supported"),
         ({"prompt": "a cat"}, r"forward: got an unexpected keyword argument 'prompt'.*its arguments"),
     ]

@@ -216,7 +216,8 @@ class FluxSpec(ModelSpec):
             raise ConfigError(
                 f"joint_attention_kwargs {sorted(bound['joint_attention_kwargs'])} are not supported by a "
                 "compiled transformer.",
-                "pass none; a LoRA scale is set with prx_compile.set_lora(pipe, name, scale).",
+                "pass none; a LoRA's scale is set with pipe.set_adapters(name, adapter_weights=scale), which "
+                "merges it once rather than at every call.",
             )
         cfg = model.config
         hs = check_tensor("hidden_states", bound.get("hidden_states"))

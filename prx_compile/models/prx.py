@@ -236,7 +236,7 @@ class PRXSpec(ModelSpec):
             raise ConfigError(
                 f"attention_kwargs {sorted(bound['attention_kwargs'])} are not supported by a compiled "
                 "transformer.",
-                "pass attention_kwargs=None.",
+                "pass attention_kwargs=None; a LoRA's scale is set with set_lora(pipe, name, scale).",
             )
         cfg = model.config
         hs = check_tensor("hidden_states", bound.get("hidden_states"))
