@@ -280,6 +280,24 @@ def test_pickle_payloads_are_refused_and_never_run(artifact, tmp_path, monkeypat
             "unknown",
         ),
         ("prx_compile.lora", {"adapters": {}, "active": {}, "extra": 1}, "cannot be restored"),
+        # 0.28's fields: what disable_lora set aside, and each adapter's last scale
+        ("prx_compile.lora", {"adapters": {}, "active": {}, "disabled": {"a": 1.0}}, "cannot be restored"),
+        ("prx_compile.lora", {"adapters": {}, "active": {}, "disabled": [1]}, "cannot be restored"),
+        (
+            "prx_compile.lora",
+            {"adapters": {"a": {"source": "", "layers": {}}}, "active": {"a": 1.0}, "disabled": {"a": 1.0}},
+            "cannot be restored",
+        ),
+        (
+            "prx_compile.lora",
+            {"adapters": {"a": {"source": "", "layers": {}, "scale": 1e9}}, "active": {}},
+            "cannot be restored",
+        ),
+        (
+            "prx_compile.lora",
+            {"adapters": {"a": {"source": "", "layers": {}, "scale": float("nan")}}, "active": {}},
+            "cannot be restored",
+        ),
     ],
 )
 def test_hostile_records_in_hashed_files_are_artifact_errors(artifact, key, record, match):
