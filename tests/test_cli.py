@@ -392,3 +392,40 @@ def test_generate_never_overwrites_a_file_that_is_not_its_summary(tmp_path):
     )
     assert r.returncode == 2 and "cannot be written in /proc/self" in r.stderr, r.stderr  # before any image
     assert not list(out.glob("*.png"))
+
+
+def test_generate_from_a_flux_artifact_pads_the_text_to_its_sets(tmp_path):
+    """FLUX pads every prompt to max_sequence_length: with --artifact it is the artifact's sets' text
+    length (0.27 and 0.28's first version took the tiny config's 8 tokens: a set built during
+    generation, prompts cut to 8 tokens)."""
+    art = tmp_path / "f.art"
+    r = run(
+        "build",
+        "--tiny",
+        "--model",
+        "flux",
+        "--config",
+        "flux-1024-bf16",
+        "--backend",
+        "eager",
+        "--out",
+        str(art),
+    )
+    assert r.returncode == 0, r.stderr
+    r = run(
+        "generate",
+        "--artifact",
+        str(art),
+        "--model",
+        "flux",
+        "--prompt",
+        "a dog",
+        "--steps",
+        "1",
+        "--out-dir",
+        str(tmp_path / "o"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "outside every engine set" not in r.stderr, r.stderr
+    made = json.loads((tmp_path / "o" / ".prx-generate" / "made.json").read_text())
+    assert made["settings"]["pipeline_kwargs"] == {"max_sequence_length": 512}, made["settings"]

@@ -137,6 +137,11 @@ def test_a_transformer_holding_peft_layers_is_refused_before_compiling():
         want = pipe.transformer(**kw, return_dict=False)[0]
     with pytest.raises(ConfigError, match="holds PEFT adapters"):
         compile_transformer(pipe.transformer, backend="eager")
+    other = tiny_flux_pipeline(make_flux(seed=0))
+    other.load_lora_weights(loras(other.transformer)["b"], adapter_name="b")
+    other.delete_adapters("b")  # no PEFT config left, its layers stay
+    with pytest.raises(ConfigError, match="holds PEFT adapters"):
+        compile_transformer(other.transformer, backend="eager")
     pipe.fuse_lora()
     pipe.unload_lora_weights()
     ct = compile_transformer(pipe.transformer, backend="eager")
@@ -172,6 +177,7 @@ def _with_metadata(tmp_path, lora):
     [
         "delete-order",
         "delete-inactive",
+        "delete-twice",
         "load-disabled",
         "delete-all-disabled",
         "metadata",
@@ -197,6 +203,7 @@ def test_sequences_a_review_found_match_peft(tmp_path, sequence):
     steps = {
         "delete-order": [("load", "c"), ("load", "b"), ("load", "a"), ("delete", "a")],
         "delete-inactive": [("load", "a"), ("load", "b"), ("set", []), ("delete", "b")],
+        "delete-twice": [("load", "a"), ("load", "b"), ("delete", ["b", "b"])],  # 0.28's first fix: KeyError
         "load-disabled": [("load", "a"), ("disable",), ("load", "b"), ("enable",)],
         "delete-all-disabled": [("load", "a"), ("disable",), ("delete", "a"), ("load", "c"), ("enable",)],
         "metadata": [("file", _with_metadata(tmp_path, lo["a"]))],
@@ -246,4 +253,28 @@ def test_a_saved_module_keeps_the_scales_and_what_disable_set_aside(tmp_path):
     ct.enable_lora()
     ct.delete_adapters("b")  # a comes back at its last scale
     set_lora(twin, ["a"], [0.5])
+    assert rel(ct(**kw, return_dict=False)[0], eager(twin, kw)) < 1e-5
+    ct.disable_lora()
+    ct.delete_adapters("a")  # every adapter gone, still disabled (PEFT's layers stay disabled)
+    ct = load_compiled(save_compiled(ct, tmp_path / "art2"))
+    ct.load_lora_adapter(loras(model)["b"], adapter_name="b")  # set aside, as before the round trip
+    assert torch.equal(ct(**kw, return_dict=False)[0], make_flux(seed=0)(**kw, return_dict=False)[0])
+
+
+def test_what_diffusers_loader_would_refuse_or_leave_out():
+    """As diffusers' load_lora_adapter: keys of layers the model lacks are left out with a warning,
+    .alpha keys of the state dict are not read (alpha comes from network_alphas or metadata), both of
+    those at once are refused; DoRA, which PEFT applies and this does not, is refused in one line."""
+    model, twin = make_flux(seed=0), make_flux(seed=0)
+    ct = compile_transformer(model, backend="eager")
+    kw = inputs(model)
+    lo = make_random_lora(model, rank=2, seed=1, std=0.2, alpha=8.0)  # alpha 8 / r 2, in .alpha keys
+    extra = {**lo, "transformer.not_a_layer.lora_A.weight": torch.zeros(2, 4)}
+    with pytest.raises(LoRAError, match="DoRA"):
+        ct.load_lora_adapter({**lo, "transformer.x_embedder.lora_magnitude_vector": torch.ones(4)})
+    with pytest.raises(ConfigError, match="network_alphas and metadata"):
+        ct.load_lora_adapter(lo, network_alphas={"transformer.x.alpha": 1.0}, metadata={"r": 2})
+    assert not lora_module.loaded(ct)
+    ct.load_lora_adapter(extra, adapter_name="a")
+    load_lora(twin, {k: v for k, v in lo.items() if not k.endswith(".alpha")}, "a")  # alpha / r = 1
     assert rel(ct(**kw, return_dict=False)[0], eager(twin, kw)) < 1e-5

@@ -490,6 +490,7 @@ def inspect_artifact(path: str | os.PathLike, *, verify: bool = True) -> dict[st
         "weights": cfg.get("weights"),
         "precision": cfg.get("precision", "dtype"),
         "dtype": cfg.get("dtype"),
+        "text_len": cfg.get("text_len"),
         "model": mapping(m, "model").get("class"),
         "engine_sets": sets,
         "lora": mapping(m, "lora") or None,

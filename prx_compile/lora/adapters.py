@@ -757,6 +757,7 @@ def unload_lora(model: Any, names: str | list[str] | None = None) -> dict[str, A
     transformer, compiled = _target(model)
     state = _state(transformer, unloading=True)
     names = list(state.adapters) if names is None else [names] if isinstance(names, str) else list(names)
+    names = list(dict.fromkeys(names))  # each once
     unknown = [n for n in names if n not in state.adapters]
     if unknown:
         raise LoRAError(f"no adapter named {unknown} is loaded.", f"loaded: {sorted(state.adapters)}.")
@@ -826,7 +827,7 @@ def delete_adapters(model: Any, names: list[str]) -> None:
     was deleted and none is left active, the first remaining by name is, at the scale it last had."""
     transformer, compiled = _target(model)
     state = _state(transformer)
-    names = [n for n in names if n in state.adapters]
+    names = [n for n in dict.fromkeys(names) if n in state.adapters]
     if not names:
         return
     off = state.disabled is not None
@@ -867,7 +868,7 @@ def export_state(
     adapter's matrices as ``<adapter>/<layer>/down|up``, a JSON record), or ({}, {}, None)."""
     transformer, _ = _target(model)
     state = transformer.__dict__.get("_prx_lora")
-    if state is None or not state.adapters:
+    if state is None or not state.adapters and state.disabled is None:
         return {}, {}, None
     tensors, adapters = {}, {}
     for name, adapter in state.adapters.items():

@@ -90,6 +90,10 @@ class DiffusersLoRA:
             kwargs.pop(arg, None)
         if kwargs:
             raise ConfigError(f"load_lora_adapter: unknown arguments {sorted(kwargs)[:5]}.")
+        if alphas and metadata:
+            raise ConfigError(
+                "load_lora_adapter: network_alphas and metadata cannot both be given (as diffusers)."
+            )
         src = pretrained_model_name_or_path_or_dict
         config = None
         if isinstance(src, dict):
@@ -109,6 +113,12 @@ class DiffusersLoRA:
         if not state:  # a LoRA of the text encoders only: theirs to load (diffusers says the same)
             logger.warning("no LoRA keys for the transformer with prefix %r: nothing loaded into it", prefix)
             return
+        if any("lora_magnitude_vector" in k for k in state):
+            raise LoRAError(
+                "load_lora_adapter: DoRA (lora_magnitude_vector) is not supported on a compiled transformer."
+            )
+        # as diffusers: alpha only from network_alphas or metadata (its loader leaves .alpha keys unread)
+        state = {k: v for k, v in state.items() if not k.endswith(".alpha")}
         if alphas:
             state.update(_alpha_tensors(state, alphas, prefix))
         if metadata:
@@ -117,7 +127,14 @@ class DiffusersLoRA:
             taken = lora.loaded(self)  # diffusers' default_<number of adapters>, the next free one
             free = (f"default_{i}" for i in range(len(taken), 2 * len(taken) + 1))
             name = next(n for n in free if n not in taken)
-        lora.load(self, state, name, config=config, alone=True)
+        report = lora.load(self, state, name, config=config, alone=True, strict=False)
+        if report["unmatched"]:  # as PEFT: keys of layers this model lacks are left out, with a warning
+            logger.warning(
+                "LoRA %r: %d key(s) match no Linear layer of the transformer and were left out, e.g. %s",
+                name,
+                len(report["unmatched"]),
+                report["unmatched"][:3],
+            )
 
     def set_adapters(self, adapter_names: str | list[str], weights: Any = None) -> None:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)

@@ -100,8 +100,8 @@ class _Refused:
         raise ConfigError(
             "a compiled transformer cannot be pickled or copied (pickle, torch.save, copy.deepcopy): its "
             "engines and live weights do not travel that way.",
-            "save it with save_compiled(module, path) and load_compiled(path, transformer); to copy, copy "
-            "the eager transformer and compile the copy.",
+            "save it with save_compiled(module, path) and load_compiled(path); to copy, copy the eager "
+            "transformer and compile the copy.",
         )
 
     def _apply(self, fn, recurse: bool = True):
@@ -570,10 +570,12 @@ def _compiled_class(model_class: type) -> type:
     )
 
 
-def _refuse_peft_layers(transformer: torch.nn.Module) -> None:
+def _refuse_peft_layers(transformer: torch.nn.Module, walk: bool = False) -> None:
     """PEFT layers (a LoRA loaded on the eager transformer, or injected by PEFT) replace linears the
-    engines never call: refused, before a compile and at every call."""
-    if getattr(transformer, "peft_config", None):
+    engines never call: refused, at every call (a PEFT config) and before a compile (``walk``: also
+    layers left without one, as diffusers' ``delete_adapters`` leaves them)."""
+    peft_layers = walk and any(type(m).__module__.startswith("peft.") for m in transformer.modules())
+    if getattr(transformer, "peft_config", None) or peft_layers:
         raise ConfigError(
             "the transformer holds PEFT adapters (a LoRA loaded before compiling, or injected by PEFT), "
             "whose layers a compiled transformer's engines never call.",
@@ -666,7 +668,7 @@ def compile_transformer(
     why = spec.config_problem(transformer.config)
     if why is not None:
         raise ConfigError(f"this {type(transformer).__name__} cannot run: {why}.")
-    _refuse_peft_layers(transformer)
+    _refuse_peft_layers(transformer, walk=True)
     if backend is not None:
         overrides["backend"] = backend
     cfg = CompileConfig.resolve(config, **overrides)

@@ -508,6 +508,17 @@ def _pipeline_factory(args):
     return factory
 
 
+def _flux_text(args) -> int:
+    """The text length FLUX pads every prompt to: the artifact's sets' (--artifact), else the config's."""
+    if args.artifact:
+        from ..io.saving import inspect_artifact
+
+        t = inspect_artifact(args.artifact, verify=False).get("text_len")  # load_compiled checks the rest
+        if isinstance(t, list) and len(t) == 2 and all(type(v) is int and 0 < v <= 1 << 16 for v in t):
+            return t[1]
+    return _config(args, _backend(args)).text_len[1]
+
+
 def cmd_generate(args) -> int:
     """Prompts to PNG files, with a compiled transformer (fresh, or loaded from --artifact), in this
     process or, split by prompt index, in --num-processes processes (or under accelerate launch)."""
@@ -552,7 +563,7 @@ def cmd_generate(args) -> int:
         width=args.width or eager_size,
         seed=args.seed,
         pipeline_kwargs=(
-            {"max_sequence_length": _config(args, _backend(args)).text_len[1]}
+            {"max_sequence_length": _flux_text(args)}
             if args.model == "flux"
             else {"use_resolution_binning": _binning(args)}
         ),
