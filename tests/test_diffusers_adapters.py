@@ -272,6 +272,8 @@ def test_what_diffusers_loader_would_refuse_or_leave_out():
     extra = {**lo, "transformer.not_a_layer.lora_A.weight": torch.zeros(2, 4)}
     with pytest.raises(LoRAError, match="DoRA"):
         ct.load_lora_adapter({**lo, "transformer.x_embedder.lora_magnitude_vector": torch.ones(4)})
+    with pytest.raises(LoRAError, match="takes a state dict or a local path, not a int"):
+        ct.load_lora_adapter(3)
     with pytest.raises(ConfigError, match="network_alphas and metadata"):
         ct.load_lora_adapter(lo, network_alphas={"transformer.x.alpha": 1.0}, metadata={"r": 2})
     assert not lora_module.loaded(ct)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,10 @@ class DiffusersLoRA:
         config = None
         if isinstance(src, dict):
             state = dict(src)
+        elif not isinstance(src, (str, os.PathLike)):
+            raise LoRAError(
+                f"load_lora_adapter takes a state dict or a local path, not a {type(src).__name__}."
+            )
         else:
             path = Path(src) / weight_name if weight_name else Path(src)
             if not path.exists():
