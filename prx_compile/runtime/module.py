@@ -386,6 +386,7 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
         (``EngineSets.for_inputs``)."""
         return self.sets.for_inputs(inputs)
 
+    @torch.compiler.disable  # torch.compile(compiled) would trace the runtime itself: it runs as is
     def forward(self, *args, **kwargs):
         """The transformer's forward, with its arguments (PRX: hidden_states (B, C, H, W), timestep,
         encoder_hidden_states (B, T, C), attention_mask (B, T); FLUX: hidden_states (B, L, C), ...,
