@@ -256,18 +256,10 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    p = Path(path)
-    config = None
-    if p.is_dir():
-        cfg = p / "adapter_config.json"
-        if cfg.is_file():
-            config = config_scale(_json_file(cfg), str(cfg))
-        found = [p / f for f in _FILES if (p / f).is_file()]
-        if not found:
-            raise LoRAError(f"{p} holds no LoRA file (looked for {list(_FILES)}).")
-        p = found[0]
-    if not p.is_file():
-        raise LoRAError(f"LoRA file {p} does not exist.")
+    folder = Path(path)
+    cfg = folder / "adapter_config.json"
+    config = config_scale(_json_file(cfg), str(cfg)) if folder.is_dir() and cfg.is_file() else None
+    p = lora_file(folder)
     try:
         tensors = load_file(str(p))
         with safe_open(str(p), framework="pt") as f:
@@ -293,6 +285,18 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
             raise LoRAError(f"{p}: its {ADAPTER_METADATA} and adapter_config.json give different alpha / r.")
         config = config or found_config
     return tensors, config
+
+
+def lora_file(path: Path) -> Path:
+    """The safetensors file of a LoRA: ``path``, or in a folder the one ``_FILES`` names first."""
+    if path.is_dir():
+        found = [path / f for f in _FILES if (path / f).is_file()]
+        if not found:
+            raise LoRAError(f"{path} holds no LoRA file (looked for {list(_FILES)}).")
+        path = found[0]
+    if not path.is_file():
+        raise LoRAError(f"LoRA file {path} does not exist.")
+    return path
 
 
 def _json_file(path: Path) -> Any:

@@ -12,21 +12,28 @@ traceback instead. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import stat
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from .._version import __version__
 from ..errors import PRXCompileError, excerpt, one_line
 
 EXIT_USAGE, EXIT_ERROR = 2, 1
+LORA_HELP = (
+    "a LoRA file (diffusers'/PEFT's or kohya's .safetensors, or a PEFT folder), active at SCALE "
+    "(default 1.0); repeatable: all active, mixed"
+)
 #: The largest integer argument (--steps, --height, ...): larger ones are typing errors.
 MAX_INT_ARG = 1 << 31
 #: The longest error line printed (an offending value is shown as a bounded ``excerpt``; this is
@@ -334,7 +341,9 @@ def cmd_build(args) -> int:
     config = _config(args, backend)
     model = _transformer(args, config)
     t0 = time.perf_counter()
+    _lora_record(args.lora)  # a missing file: one line, before minutes of building
     ct = compile_transformer(model, config=config)
+    _apply_loras(ct, args.lora)  # saved with the artifact, active
     ct.build()
     path = save_compiled(ct, args.out)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
@@ -499,6 +508,7 @@ def _pipeline_factory(args):
             pipe.transformer = loaded
         elif not args.no_compile:
             pipe.transformer = compile_transformer(pipe.transformer, config=config)
+        _apply_loras(pipe, args.lora)
         if not args.no_compile:
             size = default_size(pipe)
             height, width = args.height or size[0], args.width or size[1]
@@ -552,6 +562,7 @@ def cmd_generate(args) -> int:
             f"{os.environ['WORLD_SIZE']} (accelerate launch or torchrun).",
             "leave --num-processes out under accelerate launch.",
         )
+    lora = _lora_record(args.lora)  # a missing file: one line, before any model loads
     # what decides the images, as every process computes it: a resume holds the folder to it
     # without compiling there is no engine set to take the size from: the tiny model's, else 1024
     tiny = TINY[args.model]["resolution"]
@@ -569,7 +580,7 @@ def cmd_generate(args) -> int:
         ),
         # the model family and the config (its default size): where the weights come from (a
         # checkpoint, --tiny, an artifact built from them) is not recorded
-        made_with={"model": args.model, "config": args.config},
+        made_with={"model": args.model, "config": args.config, **({"lora": lora} if lora else {})},
     )
     if n is not None and n > 1 and not worker:
         if _cuda():
@@ -776,6 +787,54 @@ def _positive(text: str) -> int:
     return v
 
 
+def _lora(text: str) -> tuple[str, float]:
+    """``--lora FILE`` or ``FILE:SCALE``: (a LoRA file or folder, its scale, -100..100)."""
+    path, _, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if path and len(tail) <= 32 else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        path, scale = text, 1.0
+    if not -100.0 <= scale <= 100.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{excerpt(text)}: the LoRA scale must be a number from -100 to 100")
+    if not path:
+        raise argparse.ArgumentTypeError("--lora needs a file: FILE or FILE:SCALE")
+    return path, scale
+
+
+def _apply_loras(target: Any, loras: list[tuple[str, float]] | None) -> None:
+    """Load each --lora into ``target`` (a pipeline or a compiled transformer), active at its scale,
+    named after its file (a number appended where two files share a name)."""
+    from .. import load_lora
+    from ..lora.adapters import loaded
+
+    for path, scale in loras or []:
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem)[:56] or "lora"
+        taken = loaded(target)
+        name = next(n for n in (stem, *(f"{stem}_{i}" for i in range(1, len(taken) + 2))) if n not in taken)
+        load_lora(target, path, name, scale=scale)
+
+
+def _lora_record(loras: list[tuple[str, float]] | None) -> list[list[Any]]:
+    """What decides the images of each --lora: its content (sha256 of the file, or of a folder's LoRA
+    file) and scale; a missing file is one line, before any model loads."""
+    from ..lora.adapters import lora_file
+
+    out = []
+    for path, scale in loras or []:
+        try:
+            f = lora_file(Path(path))
+        except PRXCompileError as e:
+            raise CLIError(f"--lora {excerpt(path)}: {e}") from e
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        out.append([h.hexdigest(), scale])
+    return out
+
+
 #: the largest guidance scale the CLI takes (pipelines use 1-10; beyond, images saturate)
 MAX_GUIDANCE = 100.0
 
@@ -922,6 +981,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--out", required=True, help="artifact directory to write (an existing artifact is replaced)"
     )
+    b.add_argument("--lora", action="append", type=_lora, metavar="FILE[:SCALE]", help=LORA_HELP)
     b.set_defaults(func=cmd_build)
 
     g = sub.add_parser(
@@ -944,6 +1004,7 @@ def parser() -> argparse.ArgumentParser:
         help="with --artifact: the sha256:... its publisher printed; another artifact is refused",
     )
     g.add_argument("--no-compile", action="store_true", help="run the eager transformer")
+    g.add_argument("--lora", action="append", type=_lora, metavar="FILE[:SCALE]", help=LORA_HELP)
     g.add_argument(
         "--out-dir", default="prx-images", help="where the PNGs go (NNN-slug.png, NNN the prompt's index)"
     )
