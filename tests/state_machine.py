@@ -296,7 +296,7 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
             g = torch.Generator().manual_seed(seed)
             with torch.no_grad():
                 w = new.weight
-                w.copy_((torch.randn(w.shape, generator=g) * w.float().std()).to(w))
+                w.copy_((torch.randn(w.shape, generator=g).to(w.device) * w.float().std()).to(w))
             setattr(self.transformer.get_submodule(parent), attr, new)
             self.mirror.base[fqn] = new.weight.detach().clone()
             self.note(f"{mod} swapped for a new layer")
