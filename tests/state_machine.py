@@ -135,7 +135,7 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
         def __init__(self):
             super().__init__()
             ct = setup.compiled
-            if summary(ct) is not None:
+            if summary(ct) is not None:  # adapters, or disable_lora still holding (all deleted)
                 unload_lora(ct)
             dtype = next(iter(base_state.values())).dtype
             if ct.dtype != dtype:  # a cast in the last sequence
@@ -381,7 +381,8 @@ def machine(setup: Setup) -> type[RuleBasedStateMachine]:
                 assert torch.equal(got, want), f"after {setup.log[-1]}: {err:.3e} from the mirror"
             else:
                 assert err <= setup.tolerance, f"after {setup.log[-1]}: {err:.3e} from the mirror"
-            active = (summary(self.ct) or {}).get("active", {})
-            assert active == self.mirror.active, (active, self.mirror.active)
+            state = summary(self.ct) or {}
+            assert state.get("active", {}) == self.mirror.active, (state, self.mirror.active)
+            assert state.get("disabled") == self.mirror.disabled, (state, self.mirror.disabled)
 
     return CompiledState

@@ -854,15 +854,20 @@ def delete_adapters(model: Any, names: list[str]) -> None:
 
 
 def summary(model: Any) -> dict[str, Any] | None:
-    """Loaded adapters, their layer counts and the active scales (None without LoRA)."""
+    """Loaded adapters, their layer counts and the active scales; ``disabled``: the scales
+    ``disable_lora`` set aside, while it holds (a later ``load_lora_adapter`` is set aside too, even
+    after every adapter was deleted, as PEFT's layers stay disabled). None without LoRA."""
     transformer, _ = _target(model)
     state = transformer.__dict__.get("_prx_lora")
-    if state is None or not state.adapters:
+    if state is None or not state.adapters and state.disabled is None:
         return None
-    return {
+    out = {
         "adapters": {n: {"layers": len(a.layers), "source": a.source} for n, a in state.adapters.items()},
         "active": dict(state.active),
     }
+    if state.disabled is not None:
+        out["disabled"] = dict(state.disabled)
+    return out
 
 
 def export_state(
