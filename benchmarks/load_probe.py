@@ -5,11 +5,13 @@ loader's steps), then the first and second steps.
         [--digest | --no-verify] [--preimport]
 
 ``--profile``: the first step runs under cProfile (its time then includes the profiler's).
-``--workers N``: ``io.fast_read.WORKERS`` (threads reading, hashing and copying 64 MiB each).
+``--workers N``: ``io.fast_read.WORKERS`` (threads reading, hashing and copying); ``--group G``:
+``io.fast_read.GROUP`` (64 MiB chunks per read).
 ``--digest``: load pinned to the artifact's digest (its files checked against their sha256, not
 their crc32); ``--no-verify``: ``verify=False`` (nothing hashed). ``--preimport``: the kernel
 packages the load imports beside its read (FlashAttention-4, cuDNN's frontend, TensorRT's bindings)
-are imported before it is timed (``preimport_s``), so the load's time is its own.
+are imported before it is timed (``preimport_s``: seconds per package), so the load's time is its
+own.
 """
 
 import cProfile
@@ -35,6 +37,8 @@ art, inputs, out_path = sys.argv[1:4]
 profile = "--profile" in sys.argv
 if "--workers" in sys.argv:
     fast_read.WORKERS = int(sys.argv[sys.argv.index("--workers") + 1])
+if "--group" in sys.argv:
+    fast_read.GROUP = int(sys.argv[sys.argv.index("--group") + 1])
 from diffusers import FluxTransformer2DModel, PRXTransformer2DModel  # noqa: E402,F401
 
 t_imported = time.perf_counter()
@@ -43,11 +47,17 @@ if "--preimport" in sys.argv and torch.cuda.is_available():
     from prx_compile.backends.tensorrt import engine  # noqa: E402
     from prx_compile.ops import cudnn_attention, flash4_attention  # noqa: E402
 
-    engine.bindings()
-    cudnn_attention.frontend()
-    flash4_attention.kernel()
-    preimport_s = time.perf_counter() - t_imported
+    preimport_s = {}
+    for name, load in (
+        ("tensorrt", engine.bindings),
+        ("cudnn_frontend", cudnn_attention.frontend),
+        ("flash4", flash4_attention.kernel),
+    ):
+        s = time.perf_counter()
+        load()
+        preimport_s[name] = time.perf_counter() - s
 phases: dict[str, float] = {}
+spans: dict[str, list[float]] = {}  # label -> [start, end] in seconds from load_compiled's call
 
 
 def timed(owner, name, label):
@@ -64,6 +74,29 @@ def timed(owner, name, label):
     setattr(owner, name, wrapper)
 
 
+def spanned(owner, name, label):
+    """Where ``owner.name`` ran, from whichever thread (the import-ahead thread's imports)."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        s = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spans.setdefault(label, [s - t1, time.perf_counter() - t1])
+
+    setattr(owner, name, wrapper)
+
+
+if torch.cuda.is_available():
+    from prx_compile.backends.tensorrt import engine  # noqa: E402
+    from prx_compile.ops import cudnn_attention, flash4_attention  # noqa: E402
+
+    spanned(engine, "bindings", "import tensorrt")
+    spanned(cudnn_attention, "frontend", "import cudnn_frontend")
+    spanned(flash4_attention, "kernel", "import flash4")
+    spanned(fast_read, "read_file", "read_file")
 timed(artifact, "open_artifact", "open_artifact (manifest)")
 timed(artifact.Reader, "verify", "verify (sha256)")
 timed(artifact.Reader, "read_tensors", "read_tensors (read and check)")
@@ -106,11 +139,13 @@ r = {
     if want is None
     else float((got.float() - want.float()).norm() / want.float().norm()),
     "workers": fast_read.WORKERS,
+    "group": fast_read.GROUP,
     "options": sorted(options),
     "preimport_s": preimport_s,
     "imports_s": t_imported - t0,
     "load_compiled_s": t2 - t1,
     "phases_s": phases,
+    "spans_s": spans,
     "first_step_s" + ("_profiled" if profile else ""): t3 - t2,
     "second_step_s": t4 - t3,
     "load_and_first_step_s": t3 - t1,

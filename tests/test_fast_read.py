@@ -1,6 +1,7 @@
 """io.fast_read: a safetensors file read into tensors by offsets (the GPU's copy path is in
 tests/gpu/test_refit_and_artifacts.py), against safetensors' own reader, and headers that lie."""
 
+import contextlib
 import json
 import os
 
@@ -197,3 +198,87 @@ def test_metadata_that_is_not_strings_is_refused(tmp_path):
     path = _file(tmp_path, {"__metadata__": {"k": 1}, "x": _WHOLE})
     with pytest.raises(ArtifactError, match="__metadata__ is not strings"):
         _read(path)
+
+
+@pytest.mark.parametrize("kind", fast_read.SUMS)
+def test_a_group_of_chunks_read_into_one_buffer_is_hashed_chunk_by_chunk(tmp_path, monkeypatch, kind):
+    """The GPU path's read (``_fill`` into a host buffer, several chunks at once; its copies are in
+    the GPU tests): each chunk's checksum is the one listed for it, the header's bytes come back, and
+    the buffer holds the file's bytes in order."""
+    monkeypatch.setattr(fast_read, "CHUNK", 64)
+    path = tmp_path / "t.safetensors"
+    save_file(_tensors(), path, metadata={"k": "v"})
+    data, hashes = path.read_bytes(), _hashes(path, 64, kind)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = fast_read.layout(fd)
+        segments = [(0, found.start, None)] + sorted(
+            (found.start + b, found.start + e, torch.empty(e - b, dtype=torch.uint8))
+            for _, _, b, e in found.entries.values()
+            if e > b
+        )
+        chunks = fast_read._chunks(segments, found.size)
+        for first in (0, len(chunks) - 4):  # the group holding the header, and the last
+            buf = torch.zeros(64 * 4, dtype=torch.uint8)
+            got = fast_read._fill(fd, chunks[first : first + 4], buf, kind)
+            assert [digest for digest, _ in got] == hashes[first : first + 4]
+            want = data[64 * first : 64 * (first + 4)]
+            assert bytes(buf.numpy()[: len(want)]) == want
+            assert b"".join(head for _, head in got) == found.head[64 * first :][: 64 * 4]
+    finally:
+        os.close(fd)
+
+
+class _HostStream:
+    """A CUDA stream's part in ``_copy_through`` played on the host, where copies run as issued."""
+
+    def __init__(self, device=None):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("group, workers", [(1, 1), (2, 3), (4, 8)])
+def test_the_gpu_paths_threads_each_take_every_kth_group_and_stop_at_a_mismatch(
+    tmp_path, monkeypatch, group, workers
+):
+    """``_copy_through``'s threads, with host buffers and host destinations (its streams stand in
+    for CUDA's: copies run as issued): the destinations get the file's bytes, the header's bytes
+    come back in file order, and a flipped byte is a HashMismatch naming its chunk."""
+    monkeypatch.setattr(fast_read, "CHUNK", 64)
+    monkeypatch.setattr(torch.cuda, "Stream", _HostStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _HostStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    path = tmp_path / "t.safetensors"
+    save_file(_tensors(), path, metadata={"k": "v"})
+    data, hashes = path.read_bytes(), _hashes(path, 64)
+    for flip in (None, len(data) - 1):
+        if flip is not None:
+            bad = bytearray(data)
+            bad[flip] ^= 1
+            path.write_bytes(bytes(bad))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = fast_read.layout(fd)
+            spans = {n: (found.start + b, found.start + e) for n, (_, _, b, e) in found.entries.items()}
+            out = {n: torch.zeros(e - b, dtype=torch.uint8) for n, (b, e) in spans.items()}
+            segments = [(0, found.start, None)] + sorted(
+                (b, e, out[n]) for n, (b, e) in spans.items() if e > b
+            )
+            chunks = fast_read._chunks(segments, found.size)
+            groups = [chunks[j : j + group] for j in range(0, len(chunks), group)]
+            bufs = [torch.empty(64 * group, dtype=torch.uint8) for _ in range(min(workers, len(groups)))]
+            args = (fd, groups, bufs, torch.device("cpu"), hashes, "sha256")
+            if flip is None:
+                assert b"".join(fast_read._copy_through(*args)) == found.head
+                assert all(bytes(out[n].numpy()) == data[b:e] for n, (b, e) in spans.items())
+            else:
+                last = (len(data) - 1) // 64 * 64
+                with pytest.raises(fast_read.HashMismatch, match=f"at bytes {last}-{len(data)}"):
+                    fast_read._copy_through(*args)
+        finally:
+            os.close(fd)

@@ -21,9 +21,11 @@ before any tensor is returned.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -32,9 +34,10 @@ import torch
 
 from ..errors import ArtifactError
 
-#: bytes per read, hash and copy: the artifact format's hash unit. How many are in flight (pinned host
-#: memory: CHUNK * WORKERS)
+#: the artifact format's hash unit; a GPU read takes GROUP of them at once (a thread per pinned buffer
+#: of GROUP * CHUNK bytes, WORKERS of them in flight)
 CHUNK = 64 << 20
+GROUP = 1
 WORKERS = 8
 #: safetensors' own bound on a header; the most dimensions a tensor may have
 MAX_DIMS = 64
@@ -186,18 +189,19 @@ def read_file(
     head: list[bytes] = []
     if device.type == "cpu":  # the tensors are the buffers: each piece is read into its tensor
         with ThreadPoolExecutor(max_workers=min(WORKERS, len(chunks))) as pool:
-            for j, (digest, part) in enumerate(pool.map(lambda c: _fill(fd, c, None, kind), chunks)):
+            for j, [(digest, part)] in enumerate(pool.map(lambda c: _fill(fd, [c], None, kind), chunks)):
                 _check(hashes, j, digest, chunks[j], kind)
                 head.append(part)
     else:
+        groups = [chunks[j : j + GROUP] for j in range(0, len(chunks), GROUP)]
         try:
             bufs = [
-                torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
-                for _ in range(min(WORKERS, len(chunks)))
+                torch.empty(CHUNK * GROUP, dtype=torch.uint8, pin_memory=True)
+                for _ in range(min(WORKERS, len(groups)))
             ]
         except RuntimeError:
             return None
-        _copy_through(fd, chunks, bufs, device, hashes, kind, head)
+        head = _copy_through(fd, groups, bufs, device, hashes, kind)
     if b"".join(head) != found.head:
         raise HashMismatch("changed while it was read (its header).")
     return out, found.metadata
@@ -216,27 +220,35 @@ def _chunks(segments: list, size: int) -> list[list[tuple[int, int, torch.Tensor
     return chunks
 
 
-def _fill(fd: int, pieces: list, buf: torch.Tensor | None, kind: str | None) -> tuple[str, bytes]:
-    """Read one chunk's pieces (into ``buf`` if given, else each into its destination; the header
-    into scratch memory). Returns the ``kind`` checksum of its bytes ("" for None; hashlib and zlib
-    leave the GIL to the other threads) and the header's bytes among them."""
-    if buf is not None:
-        n = sum(length for _, length, _ in pieces)
-        views = [buf.numpy()[:n]]
-    else:
+def _fill(fd: int, chunks: list, buf: torch.Tensor | None, kind: str | None) -> list[tuple[str, bytes]]:
+    """Read consecutive ``chunks`` (each its pieces) with one ``preadv``: into ``buf`` if given, else
+    each piece into its destination (the header into scratch memory). Returns, per chunk, the
+    ``kind`` checksum of its bytes ("" for None; hashlib and zlib leave the GIL to the other threads)
+    and the header's bytes among them."""
+    pieces = [p for c in chunks for p in c]
+    if buf is None:
         views = [bytearray(length) if dst is None else dst.numpy() for _, length, dst in pieces]
-    _pread_into(fd, views, pieces[0][0])
-    at, head = 0, b""
-    for i, (_, length, dst) in enumerate(pieces):
-        if dst is None:  # the header's bytes (it comes first in the file, so first in its chunks)
-            head += bytes(views[i] if buf is None else views[0][at : at + length])
-        at += length
-    if kind is None:
-        return "", head
-    h = new_sum(kind)
-    for v in views:
-        h.update(v)
-    return h.hexdigest(), head
+        _pread_into(fd, views, pieces[0][0])
+    else:
+        whole = buf.numpy()[: sum(length for _, length, _ in pieces)]
+        _pread_into(fd, [whole], pieces[0][0])
+        ends = itertools.accumulate(length for _, length, _ in pieces)
+        views = [whole[end - length : end] for (_, length, _), end in zip(pieces, ends, strict=True)]
+    out, i, pos = [], 0, 0
+    for c in chunks:
+        mine, i = views[i : i + len(c)], i + len(c)
+        n = sum(len(v) for v in mine)
+        # the header's bytes (it comes first in the file, so first in its chunks)
+        head = b"".join(bytes(v) for v, (_, _, dst) in zip(mine, c, strict=True) if dst is None)
+        if kind is None:
+            out.append(("", head))
+        else:  # a chunk is one run of the buffer: one call
+            h = new_sum(kind)
+            for v in mine if buf is None else [whole[pos : pos + n]]:
+                h.update(v)
+            out.append((h.hexdigest(), head))
+        pos += n
+    return out
 
 
 def _check(hashes: list[str] | None, j: int, digest: str, pieces: list, kind: str | None) -> None:
@@ -248,44 +260,51 @@ def _check(hashes: list[str] | None, j: int, digest: str, pieces: list, kind: st
 
 def _copy_through(
     fd: int,
-    chunks: list,
+    groups: list,
     bufs: list[torch.Tensor],
     device: torch.device,
     hashes: list[str] | None,
     kind: str | None,
-    head: list[bytes],
-) -> None:
-    """Read each chunk into a pinned buffer (a thread per buffer) and hash it there, copy its pieces
-    to their device bytes on a side stream, and read the next chunk into that buffer once its copies
+) -> list[bytes]:
+    """Thread ``w`` of ``len(bufs)`` takes every ``len(bufs)``-th group of chunks: reads it into
+    pinned buffer ``w``, checks each chunk against ``hashes``, copies the pieces to their device
+    bytes on its own stream, and reads its next group once those copies have run. No thread waits
+    for another per chunk (0.26's main thread issued every chunk's copies and handed the next read
+    out): beside a thread that imports for seconds (FlashAttention-4), every such hand-over of the
+    GIL may wait a switch interval. Returns the header's bytes found in each chunk, in file order;
+    the first chunk that does not match stops every thread and raises, after the copies issued
     have run."""
-    k, stream = len(bufs), torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the tensors' memory is free there first
-    copied: list[torch.cuda.Event | None] = [None] * k  # buffer i may be refilled after this event
+    k, main = len(bufs), torch.cuda.current_stream(device)
+    stop = threading.Event()
 
-    def fill(j: int) -> tuple[int, tuple[str, bytes]]:
-        i = j % k
-        if copied[i] is not None:
-            copied[i].synchronize()
-        return i, _fill(fd, chunks[j], bufs[i], kind)
-
-    try:
-        with ThreadPoolExecutor(max_workers=k) as pool:
-            pending = [pool.submit(fill, j) for j in range(k)]
-            for j, pieces in enumerate(chunks):
-                i, (digest, part) = pending[j].result()
-                _check(hashes, j, digest, pieces, kind)
-                head.append(part)
+    def work(w: int) -> list[list[bytes]]:
+        stream, heads = torch.cuda.Stream(device), []
+        stream.wait_stream(main)  # the tensors' memory is free there first
+        try:
+            for g in range(w, len(groups), k):
+                if stop.is_set():
+                    break
+                stream.synchronize()  # buffer w's last copies have run
+                sums = _fill(fd, groups[g], bufs[w], kind)
+                for i, (pieces, (digest, _)) in enumerate(zip(groups[g], sums, strict=True)):
+                    _check(hashes, g * len(groups[0]) + i, digest, pieces, kind)  # full groups first
                 with torch.cuda.stream(stream):
                     at = 0
-                    for _, length, dst in pieces:
+                    for _, length, dst in (p for pieces in groups[g] for p in pieces):
                         if dst is not None:
-                            dst.copy_(bufs[i][at : at + length], non_blocking=True)
+                            dst.copy_(bufs[w][at : at + length], non_blocking=True)
                         at += length
-                    copied[i] = stream.record_event()
-                if j + k < len(chunks):
-                    pending.append(pool.submit(fill, j + k))
-    finally:
-        stream.synchronize()
+                heads.append([head for _, head in sums])
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            stream.synchronize()
+        return heads
+
+    with ThreadPoolExecutor(max_workers=k) as pool:
+        done = [f.result() for f in [pool.submit(work, w) for w in range(k)]]
+    return [head for g in range(len(groups)) for head in done[g % k][g // k]]
 
 
 def _pread_into(fd: int, views: list, offset: int) -> None:
