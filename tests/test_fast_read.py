@@ -220,7 +220,7 @@ def test_a_group_of_chunks_read_into_one_buffer_is_hashed_chunk_by_chunk(tmp_pat
         chunks = fast_read._chunks(segments, found.size)
         for first in (0, len(chunks) - 4):  # the group holding the header, and the last
             buf = torch.zeros(64 * 4, dtype=torch.uint8)
-            got = fast_read._fill(fd, chunks[first : first + 4], buf, kind)
+            got = fast_read._fill(fd, chunks[first : first + 4], buf.numpy(), kind)
             assert [digest for digest, _ in got] == hashes[first : first + 4]
             want = data[64 * first : 64 * (first + 4)]
             assert bytes(buf.numpy()[: len(want)]) == want
@@ -240,6 +240,17 @@ class _HostStream:
 
     def synchronize(self) -> None:
         pass
+
+
+def _counted(calls: list):
+    """``fast_read._pread_into`` that records each call."""
+    read = fast_read._pread_into
+
+    def pread_into(fd, views, offset):
+        calls.append(offset)
+        read(fd, views, offset)
+
+    return pread_into
 
 
 @pytest.mark.parametrize("group, workers", [(1, 1), (2, 3), (4, 8)])
@@ -272,9 +283,20 @@ def test_the_gpu_paths_threads_each_take_every_kth_group_and_stop_at_a_mismatch(
             chunks = fast_read._chunks(segments, found.size)
             groups = [chunks[j : j + group] for j in range(0, len(chunks), group)]
             bufs = [torch.empty(64 * group, dtype=torch.uint8) for _ in range(min(workers, len(groups)))]
-            args = (fd, groups, bufs, torch.device("cpu"), hashes, "sha256")
+            reads, at_ready = [], []
+            monkeypatch.setattr(fast_read, "_pread_into", _counted(reads))
+            args = (
+                fd,
+                groups,
+                bufs,
+                torch.device("cpu"),
+                hashes,
+                "sha256",
+                lambda r=reads, a=at_ready: a.append(len(r)),
+            )
             if flip is None:
                 assert b"".join(fast_read._copy_through(*args)) == found.head
+                assert at_ready == [0] and len(reads) == len(groups)  # ready once, before any read
                 assert all(bytes(out[n].numpy()) == data[b:e] for n, (b, e) in spans.items())
             else:
                 last = (len(data) - 1) // 64 * 64

@@ -448,15 +448,23 @@ class Reader:
         return data
 
     def read_tensors(
-        self, rel: str, device: torch.device | str = "cpu"
+        self, rel: str, device: torch.device | str = "cpu", ready: Callable[[], None] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(tensors, header metadata) of a safetensors file of the artifact (safetensors holds no
-        code; parse errors are named). The file is read through the descriptor opened above."""
+        code; parse errors are named). The file is read through the descriptor opened above.
+        ``ready()`` runs once, when the bulk of the reading starts (``fast_read.read_file``)."""
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load, load_file
 
         kind = self._kind(rel) if rel in self.unverified else None  # None: nothing to check
         sums = self.files[rel][kind] if kind else None
+        called: list[bool] = []
+
+        def start() -> None:
+            if ready is not None and not called:
+                called.append(True)
+                ready()
+
         try:
             found = None
             with self.open(rel) as fd:
@@ -464,8 +472,9 @@ class Reader:
                 if os.path.exists(proc):
                     with safe_open(proc, framework="pt") as f:  # safetensors' own checks of the header
                         unchecked = f.metadata() or {}
-                    found = fast_read.read_file(fd, torch.device(device), sums, kind)
+                    found = fast_read.read_file(fd, torch.device(device), sums, kind, start)
                     if found is None and kind is None:  # nothing to check: safetensors reads it
+                        start()
                         tensors = load_file(proc, device=str(device))
                         if torch.device(device).type == "cpu":  # private memory, not a map of the file
                             tensors = {k: v.clone() for k, v in tensors.items()}
@@ -473,6 +482,7 @@ class Reader:
                     elif found is not None and kind:
                         self._mark(rel, kind)  # read_file checked every chunk
             if found is None:  # no /proc, or a file fast_read does not read: one read, checked
+                start()
                 data = self.read_bytes(rel)
                 found = {k: v.to(device) for k, v in load(data).items()}, _header_metadata(data)
         except fast_read.HashMismatch as e:

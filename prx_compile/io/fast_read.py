@@ -27,9 +27,11 @@ import math
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import ArtifactError
@@ -158,7 +160,11 @@ def read_to(
 
 
 def read_file(
-    fd: int, device: torch.device, hashes: list[str] | None = None, kind: str | None = "sha256"
+    fd: int,
+    device: torch.device,
+    hashes: list[str] | None = None,
+    kind: str | None = "sha256",
+    ready: Callable[[], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
     """(every tensor of the safetensors file ``fd`` on ``device``, its header's metadata); None when
     ``layout`` is None or no host memory could be pinned (the caller reads the file its own way).
@@ -168,7 +174,9 @@ def read_file(
     thread that read it, and a piece that does not match is a HashMismatch before any tensor is
     returned: the file is read and checked in one pass. The header bytes read with the first
     pieces must be those ``layout`` parsed, so the names, shapes and metadata returned are the
-    checked ones."""
+    checked ones. ``ready()`` runs once every tensor is allocated and every copy planned, before
+    the first byte is read (what a loader overlaps with the read starts there: see
+    ``_copy_through``)."""
     found = layout(fd) if device.type in ("cpu", "cuda") else None
     if found is None:
         return None
@@ -188,6 +196,8 @@ def read_file(
     kind = kind if hashes is not None else None  # nothing to check: nothing hashed
     head: list[bytes] = []
     if device.type == "cpu":  # the tensors are the buffers: each piece is read into its tensor
+        if ready is not None:
+            ready()
         with ThreadPoolExecutor(max_workers=min(WORKERS, len(chunks))) as pool:
             for j, [(digest, part)] in enumerate(pool.map(lambda c: _fill(fd, [c], None, kind), chunks)):
                 _check(hashes, j, digest, chunks[j], kind)
@@ -201,7 +211,7 @@ def read_file(
             ]
         except RuntimeError:
             return None
-        head = _copy_through(fd, groups, bufs, device, hashes, kind)
+        head = _copy_through(fd, groups, bufs, device, hashes, kind, ready)
     if b"".join(head) != found.head:
         raise HashMismatch("changed while it was read (its header).")
     return out, found.metadata
@@ -220,8 +230,9 @@ def _chunks(segments: list, size: int) -> list[list[tuple[int, int, torch.Tensor
     return chunks
 
 
-def _fill(fd: int, chunks: list, buf: torch.Tensor | None, kind: str | None) -> list[tuple[str, bytes]]:
-    """Read consecutive ``chunks`` (each its pieces) with one ``preadv``: into ``buf`` if given, else
+def _fill(fd: int, chunks: list, buf: np.ndarray | None, kind: str | None) -> list[tuple[str, bytes]]:
+    """Read consecutive ``chunks`` (each its pieces) with one ``preadv``: into ``buf`` (a pinned
+    buffer's bytes) if given, else
     each piece into its destination (the header into scratch memory). Returns, per chunk, the
     ``kind`` checksum of its bytes ("" for None; hashlib and zlib leave the GIL to the other threads)
     and the header's bytes among them."""
@@ -230,7 +241,7 @@ def _fill(fd: int, chunks: list, buf: torch.Tensor | None, kind: str | None) -> 
         views = [bytearray(length) if dst is None else dst.numpy() for _, length, dst in pieces]
         _pread_into(fd, views, pieces[0][0])
     else:
-        whole = buf.numpy()[: sum(length for _, length, _ in pieces)]
+        whole = buf[: sum(length for _, length, _ in pieces)]
         _pread_into(fd, [whole], pieces[0][0])
         ends = itertools.accumulate(length for _, length, _ in pieces)
         views = [whole[end - length : end] for (_, length, _), end in zip(pieces, ends, strict=True)]
@@ -265,36 +276,55 @@ def _copy_through(
     device: torch.device,
     hashes: list[str] | None,
     kind: str | None,
+    ready: Callable[[], None] | None,
 ) -> list[bytes]:
     """Thread ``w`` of ``len(bufs)`` takes every ``len(bufs)``-th group of chunks: reads it into
     pinned buffer ``w``, checks each chunk against ``hashes``, copies the pieces to their device
-    bytes on its own stream, and reads its next group once those copies have run. No thread waits
-    for another per chunk (0.26's main thread issued every chunk's copies and handed the next read
-    out): beside a thread that imports for seconds (FlashAttention-4), every such hand-over of the
-    GIL may wait a switch interval. Returns the header's bytes found in each chunk, in file order;
-    the first chunk that does not match stops every thread and raises, after the copies issued
-    have run."""
+    bytes on its own stream in one call, and reads its next group once those copies have run.
+    Returns the header's bytes found in each chunk, in file order; the first chunk that does not
+    match stops every thread and raises, after the copies issued have run.
+
+    Few calls per byte, because a loader imports beside the read (``ready``): while another thread
+    runs Python for seconds (FlashAttention-4's import), every call that lets go of the GIL (any
+    tensor operation, a read, a hash) may wait a switch interval to get it back. 0.26 made about
+    seven such calls per 64 MiB and one copy per tensor, and its read of FLUX.1's 23.8 GB took
+    7.4-8.6 s beside the import against 3.1-4.1 s alone (``flux_v29_load_probes_h200.json``). Here
+    every slice and stream is made before ``ready``, and a group costs one wait, one ``preadv``, a
+    hash per chunk and one ``torch._foreach_copy_`` (PyTorch's one batched copy: private, and the
+    only call that copies a list of tensors in one)."""
     k, main = len(bufs), torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(k)]
+    for stream in streams:
+        stream.wait_stream(main)  # the tensors' memory is free there first
+    hosts = [b.numpy() for b in bufs]
+    plans = []  # per group: its destinations and the slices of its buffer they copy
+    for g, group in enumerate(groups):
+        dsts, srcs, at = [], [], 0
+        for _, length, dst in (p for pieces in group for p in pieces):
+            if dst is not None:
+                dsts.append(dst)
+                srcs.append(bufs[g % k][at : at + length])
+            at += length
+        plans.append((dsts, srcs))
     stop = threading.Event()
+    if ready is not None:
+        ready()
 
     def work(w: int) -> list[list[bytes]]:
-        stream, heads = torch.cuda.Stream(device), []
-        stream.wait_stream(main)  # the tensors' memory is free there first
+        stream, heads = streams[w], []
         try:
-            for g in range(w, len(groups), k):
-                if stop.is_set():
-                    break
-                stream.synchronize()  # buffer w's last copies have run
-                sums = _fill(fd, groups[g], bufs[w], kind)
-                for i, (pieces, (digest, _)) in enumerate(zip(groups[g], sums, strict=True)):
-                    _check(hashes, g * len(groups[0]) + i, digest, pieces, kind)  # full groups first
-                with torch.cuda.stream(stream):
-                    at = 0
-                    for _, length, dst in (p for pieces in groups[g] for p in pieces):
-                        if dst is not None:
-                            dst.copy_(bufs[w][at : at + length], non_blocking=True)
-                        at += length
-                heads.append([head for _, head in sums])
+            with torch.cuda.stream(stream):  # this thread's current stream, for every copy below
+                for g in range(w, len(groups), k):
+                    if stop.is_set():
+                        break
+                    stream.synchronize()  # buffer w's last copies have run
+                    sums = _fill(fd, groups[g], hosts[w], kind)
+                    for i, (pieces, (digest, _)) in enumerate(zip(groups[g], sums, strict=True)):
+                        _check(hashes, g * len(groups[0]) + i, digest, pieces, kind)  # full groups first
+                    dsts, srcs = plans[g]
+                    if dsts:
+                        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                    heads.append([head for _, head in sums])
         except BaseException:
             stop.set()
             raise

@@ -142,15 +142,8 @@ def load_compiled(
             the set's first call or ``.build()``.
     """
     t0 = time.perf_counter()
-    ahead: list[threading.Thread] = []  # the imports, started once the manifest is parsed
     reader = artifact.open_artifact(
-        path,
-        kind=KIND,
-        verify=verify,
-        when_read=True,
-        digest=digest,
-        reads=_files_read,
-        parsed=lambda manifest: ahead.append(_import_ahead(manifest)),
+        path, kind=KIND, verify=verify, when_read=True, digest=digest, reads=_files_read
     )
     m = reader.manifest
     artifact.check_fields(_MANIFEST, m, "manifest")
@@ -161,7 +154,9 @@ def load_compiled(
             f"the artifact runs on {config.device}, and this machine has no CUDA GPU.",
             "load it with backend='eager', device='cpu' (its engine sets are then built again).",
         )
-    weights = reader.read_tensors(WEIGHTS, config.device)  # while the imports run
+    # the imports run while the weights are read: started once the read's tensors are allocated
+    ahead: list[threading.Thread] = []
+    weights = reader.read_tensors(WEIGHTS, config.device, ready=lambda: ahead.append(_import_ahead(m)))
     for thread in ahead:  # two threads importing one package race: the load imports nothing before
         thread.join()
     if config.backend == "tensorrt" and not rebuild:
@@ -231,7 +226,8 @@ def load_compiled(
 def _import_ahead(manifest: dict[str, Any]) -> threading.Thread:
     """Start importing, in a thread, what this artifact's load and first call will import: the
     model's diffusers class, TensorRT's bindings (engines) and the kernel packages its attention may run
-    (cuDNN's frontend, FlashAttention-4: seconds each). The files are verified meanwhile; the load
+    (cuDNN's frontend, FlashAttention-4: seconds each). The weights are read and verified meanwhile
+    (``fast_read``: few calls that let go of the GIL, each of which may wait for this thread); the load
     joins the thread before it imports anything itself (diffusers' lazy modules raise AttributeError
     when two threads import one class at once). A failure here only means the load imports it
     itself, and says why."""
