@@ -232,10 +232,9 @@ def _chunks(segments: list, size: int) -> list[list[tuple[int, int, torch.Tensor
 
 def _fill(fd: int, chunks: list, buf: np.ndarray | None, kind: str | None) -> list[tuple[str, bytes]]:
     """Read consecutive ``chunks`` (each its pieces) with one ``preadv``: into ``buf`` (a pinned
-    buffer's bytes) if given, else
-    each piece into its destination (the header into scratch memory). Returns, per chunk, the
-    ``kind`` checksum of its bytes ("" for None; hashlib and zlib leave the GIL to the other threads)
-    and the header's bytes among them."""
+    buffer's bytes) if given, else each piece into its destination (the header into scratch
+    memory). Returns, per chunk, the ``kind`` checksum of its bytes ("" for None; hashlib and zlib
+    leave the GIL to the other threads) and the header's bytes among them."""
     pieces = [p for c in chunks for p in c]
     if buf is None:
         views = [bytearray(length) if dst is None else dst.numpy() for _, length, dst in pieces]
