@@ -517,13 +517,11 @@ def open_artifact(
     when_read: bool = False,
     digest: str | None = None,
     reads: Callable[[dict[str, Any]], set[str]] | None = None,
-    parsed: Callable[[dict[str, Any]], None] | None = None,
 ) -> Reader:
     """A Reader over the artifact at ``path`` (of this ``kind``), its manifest parsed and, with
     ``verify``, every listed file checked against its size and checksums: here (the sha256 and the
     crc32), or with ``when_read`` as each is read (``Reader.verify_when_read``: a loader's one pass
-    over the bytes; the crc32 unless a ``digest`` is given). ``parsed(manifest)`` runs between the
-    two (a loader starts work there that the verification's I/O can overlap).
+    over the bytes; the crc32 unless a ``digest`` is given).
 
     ``reader.digest`` is ``"sha256:<hex>"`` of the manifest's bytes; the manifest lists every file's
     size and sha256, so with ``verify`` it pins the whole artifact. With ``digest`` (what the
@@ -561,8 +559,6 @@ def open_artifact(
             )
     reader = Reader(root, manifest)
     reader.digest = found
-    if parsed is not None:
-        parsed(manifest)
     if verify and when_read:
         reader.verify_when_read(strong=digest is not None)
     elif verify:
