@@ -1,8 +1,8 @@
 """Where a new process's load_compiled and first step spend their time (phases timed by wrapping the
 loader's steps), then the first and second steps.
 
-    python benchmarks/load_probe.py ARTIFACT INPUTS.pt OUT.json [--profile] [--workers N]
-        [--digest | --no-verify] [--preimport]
+    python benchmarks/load_probe.py ARTIFACT INPUTS.pt OUT.json [--profile] [--workers N] [--group G]
+        [--digest | --no-verify] [--preimport] [--cuda-ready]
 
 ``--profile``: the first step runs under cProfile (its time then includes the profiler's).
 ``--workers N``: ``io.fast_read.WORKERS`` (threads reading, hashing and copying); ``--group G``:
@@ -11,7 +11,9 @@ loader's steps), then the first and second steps.
 their crc32); ``--no-verify``: ``verify=False`` (nothing hashed). ``--preimport``: the kernel
 packages the load imports beside its read (FlashAttention-4, cuDNN's frontend, TensorRT's bindings)
 are imported before it is timed (``preimport_s``: seconds per package), so the load's time is its
-own.
+own. ``--cuda-ready``: the CUDA context made before the load (``cuda_init_s``), as in a pipeline's
+process whose text encoders already run on the GPU. ``spans_s["read_file"]`` starts where the read
+begins planning; the imports start (``import tensorrt``) once its tensors are allocated.
 """
 
 import cProfile
@@ -113,6 +115,12 @@ if "--digest" in sys.argv:  # the digest save_compiled printed: sha256 of the ma
         options["digest"] = "sha256:" + hashlib.sha256(f.read()).hexdigest()
 if "--no-verify" in sys.argv:
     options["verify"] = False
+cuda_init_s = None
+if "--cuda-ready" in sys.argv and torch.cuda.is_available():
+    s = time.perf_counter()
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    cuda_init_s = time.perf_counter() - s
 t1 = time.perf_counter()
 ct = prx_compile.load_compiled(art, **options)
 t2 = time.perf_counter()
@@ -142,6 +150,7 @@ r = {
     "group": fast_read.GROUP,
     "options": sorted(options),
     "preimport_s": preimport_s,
+    "cuda_init_s": cuda_init_s,
     "imports_s": t_imported - t0,
     "load_compiled_s": t2 - t1,
     "phases_s": phases,
