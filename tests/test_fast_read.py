@@ -304,3 +304,50 @@ def test_the_gpu_paths_threads_each_take_every_kth_group_and_stop_at_a_mismatch(
                     fast_read._copy_through(*args)
         finally:
             os.close(fd)
+
+
+class _Interrupted(Exception):
+    """What the test's alarm raises in the calling thread (KeyboardInterrupt would stop pytest)."""
+
+
+def test_an_interrupt_of_the_gpu_path_stops_its_threads(tmp_path, monkeypatch):
+    """An exception in the calling thread while the threads read (Ctrl-C) stops them after their
+    group in flight, instead of waiting for the whole file (the first version read all 64 groups)."""
+    import signal
+    import time
+
+    monkeypatch.setattr(fast_read, "CHUNK", 64)
+    monkeypatch.setattr(torch.cuda, "Stream", _HostStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _HostStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    reads = []
+    slow = _counted(reads)
+    monkeypatch.setattr(fast_read, "_pread_into", lambda *a: (time.sleep(0.05), slow(*a)))
+    path = tmp_path / "t.safetensors"
+    save_file({"x": torch.arange(64 * 63, dtype=torch.uint8)}, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = fast_read.layout(fd)
+        (_, _, b, e) = found.entries["x"]
+        out = torch.zeros(e - b, dtype=torch.uint8)
+        chunks = fast_read._chunks(
+            [(0, found.start, None), (found.start + b, found.start + e, out)], found.size
+        )
+        bufs = [torch.empty(64, dtype=torch.uint8) for _ in range(2)]
+
+        def alarm(signum, frame):
+            raise _Interrupted
+
+        old = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            with pytest.raises(_Interrupted):
+                fast_read._copy_through(
+                    fd, [[c] for c in chunks], bufs, torch.device("cpu"), None, None, None
+                )
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert len(chunks) >= 64 and len(reads) < 20  # each thread stopped after its group in flight
+    finally:
+        os.close(fd)

@@ -9,7 +9,7 @@ memory, on one thread (and 0.25 hashed the artifact's files in a pass of their o
 ``WORKERS`` threads each read ``GROUP`` chunks of ``CHUNK`` bytes of the file at a time (``os.preadv``
 and hashlib release the GIL), hash each chunk and copy the group to its tensors on their own stream,
 while the others read. ``CHUNK`` is the artifact format's hash unit (the manifest lists a sha256 and
-a crc32 per 64 MiB), so no byte is read twice. The read makes few calls per byte, for a loader
+a crc32 per 64 MiB), so no byte is read twice. The read makes few calls per byte, because a loader
 imports beside it (``_copy_through``). On a CPU the tensors are the buffers: private memory, not a
 map of the file.
 
@@ -39,8 +39,9 @@ import torch
 from ..errors import ArtifactError
 
 #: the artifact format's hash unit; a GPU read takes GROUP of them at once (a thread per pinned buffer
-#: of GROUP * CHUNK bytes, WORKERS of them in flight: 1 GiB of pinned host memory while a file is read;
-#: GROUP 2 is what was measured, flux_v29_load_gil_h200.json)
+#: of GROUP * CHUNK bytes, WORKERS of them in flight: 1 GiB of pinned host memory, which PyTorch's
+#: pinned-memory cache keeps for the process after the read; GROUP 2 is what was measured,
+#: flux_v29_load_gil_h200.json)
 CHUNK = 64 << 20
 GROUP = 2
 WORKERS = 8
@@ -178,8 +179,8 @@ def read_file(
     returned: the file is read and checked in one pass. The header bytes read with the first
     pieces must be those ``layout`` parsed, so the names, shapes and metadata returned are the
     checked ones. ``ready()`` runs once every tensor is allocated and every copy planned, before
-    the first byte is read (what a loader overlaps with the read starts there: see
-    ``_copy_through``)."""
+    the first byte of the tensors is read (the header was read to plan them; what a loader
+    overlaps with the read starts there: see ``_copy_through``)."""
     found = layout(fd) if device.type in ("cpu", "cuda") else None
     if found is None:
         return None
@@ -283,8 +284,10 @@ def _copy_through(
     """Thread ``w`` of ``len(bufs)`` takes every ``len(bufs)``-th group of chunks: reads it into
     pinned buffer ``w``, checks each chunk against ``hashes``, copies the pieces to their device
     bytes on its own stream in one call, and reads its next group once those copies have run.
-    Returns the header's bytes found in each chunk, in file order; the first chunk that does not
-    match stops every thread and raises, after the copies issued have run.
+    Returns the header's bytes found in each chunk, in file order. A chunk that does not match
+    stops every thread, and the HashMismatch of the lowest-numbered thread that found one is
+    raised, after the copies issued have run; so is an exception in the calling thread (an
+    interrupt), after each thread's group in flight.
 
     Few calls per byte, because a loader imports beside the read (``ready``): while another thread
     runs Python for seconds (FlashAttention-4's import), every call that lets go of the GIL (any
@@ -292,8 +295,9 @@ def _copy_through(
     seven such calls per 64 MiB and one copy per tensor, and its read of FLUX.1's 23.8 GB took
     7.4-8.6 s beside the import against 3.1-4.1 s alone (``flux_v29_load_probes_h200.json``). Here
     every slice and stream is made before ``ready``, and a group costs one wait, one ``preadv``, a
-    hash per chunk and one ``torch._foreach_copy_`` (PyTorch's one batched copy: private, and the
-    only call that copies a list of tensors in one)."""
+    hash per chunk and one ``torch._foreach_copy_`` (private, and PyTorch's only call that copies
+    a list of tensors: between devices it issues one asynchronous copy per piece, in C++, having
+    let go of the GIL once)."""
     k, main = len(bufs), torch.cuda.current_stream(device)
     streams = [torch.cuda.Stream(device) for _ in range(k)]
     for stream in streams:
@@ -335,7 +339,12 @@ def _copy_through(
         return heads
 
     with ThreadPoolExecutor(max_workers=k) as pool:
-        done = [f.result() for f in [pool.submit(work, w) for w in range(k)]]
+        futures = [pool.submit(work, w) for w in range(k)]
+        try:
+            done = [f.result() for f in futures]
+        except BaseException:  # a thread's HashMismatch, or an interrupt here: the others stop too
+            stop.set()
+            raise
     return [head for g in range(len(groups)) for head in done[g % k][g // k]]
 
 

@@ -156,7 +156,14 @@ def load_compiled(
         )
     # the imports run while the weights are read: started once the read's tensors are allocated
     ahead: list[threading.Thread] = []
-    weights = reader.read_tensors(WEIGHTS, config.device, ready=lambda: ahead.append(_import_ahead(m)))
+
+    def start_imports() -> None:
+        try:
+            ahead.append(_import_ahead(m))
+        except RuntimeError as e:  # no thread to be had: the load imports what it needs itself
+            logger.debug("importing ahead not started: %s", e)
+
+    weights = reader.read_tensors(WEIGHTS, config.device, ready=start_imports)
     for thread in ahead:  # two threads importing one package race: the load imports nothing before
         thread.join()
     if config.backend == "tensorrt" and not rebuild:
