@@ -96,6 +96,7 @@ def test_a_new_sequence_starts_from_no_lora_after_disable_and_delete_all(caplog)
     first.delete_adapters(_Draw(["l0"]))
     first.same_output()
     assert summary(s.compiled) == {"adapters": {}, "active": {}, "disabled": {}}
+    assert s.compiled.report()["lora"] == summary(s.compiled)  # what the user can read
     second = Machine()
     assert summary(s.compiled) is None
     second.load(seed=2, scale=1.0, diffusers=True)

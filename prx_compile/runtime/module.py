@@ -507,7 +507,10 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
         """Engine sets (shapes, engines (distinct) and engine calls, PyTorch segments, ops kept in
         PyTorch, build time and where a set's first call went: ``timings``; the kernels it measured and
         chose: ``kernels``, ``choice.KernelChoice``), the first built set's kernels (before any is
-        built: the candidates), versions."""
+        built: the candidates), versions; ``lora``: the loaded adapters, the active scales and what
+        ``disable_lora`` set aside (``lora.summary``; None without LoRA)."""
+        from ..lora.adapters import summary as lora_summary  # it imports the runtime package
+
         backends = self.sets.backends
         built = [b for b in backends if b.is_built]
         sets = [
@@ -537,6 +540,7 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
             "shapes": self.shapes.describe(),
             "engine_sets": sets,
             "builds": self.builds,
+            "lora": lora_summary(self),
             **(built[0].versions() if built else {}),
         }
 
