@@ -139,6 +139,14 @@ def main() -> None:
         choices=["device", "host"],
         help="the fp8 part's fp8_masters settings, one record each (fp8_lora: a LoRA switch on each)",
     )
+    ap.add_argument(
+        "--fp8-inputs",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="the fp8 part's fp8_inputs settings (off: a quantisation per FP8 linear, 0.29's graph), "
+        "one record each for every --fp8-masters; the timeline and profile take the first",
+    )
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
     ap.add_argument("--iters", type=int, default=20)
@@ -246,27 +254,32 @@ def main() -> None:
     if "pipeline" in result:
         for v in result["pipeline"].values():
             v.pop("latents", None)
-    for masters in args.fp8_masters if "fp8" in args.parts else ():
+    variants = [(m, i) for m in args.fp8_masters for i in args.fp8_inputs] if "fp8" in args.parts else []
+    for n, (masters, inputs) in enumerate(variants):
         compiled = None
         free()
         m, base_gb = model_copy(model)
         label = "compile_transformer[flux-1024-fp8]" + (
             "" if masters == "device" else f" fp8_masters={masters}"
         )
-        ours = compile_transformer(m, config="flux-1024-fp8", fp8_masters=masters, **overrides)
+        label += "" if inputs == "on" else " fp8_inputs=off"
+        fp8 = dict(fp8_masters=masters, fp8_inputs=inputs == "on")
+        ours = compile_transformer(m, config="flux-1024-fp8", **fp8, **overrides)
         records.append(record(label, ours, kw, ref_out, base_gb, args.iters))
+        records[-1]["report"] = {k: ours.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
         save()
         if "fp8_lora" in args.parts:
-            result[f"lora_fp8_{masters}"] = lora_switch(ours, m, kw)
+            key = f"lora_fp8_{masters}" + ("" if inputs == "on" else "_inputs_off")
+            result[key] = lora_switch(ours, m, kw)
             save()
-        if "timeline" in args.parts:
+        if "timeline" in args.parts and n == 0:
             result["timeline_fp8"] = step_timeline(ours, kw)
             summary = {k: v for k, v in result["timeline_fp8"].items() if k != "gaps"}
             log(f"timeline fp8: {json.dumps(summary)}")
             save()
-        if "profile" in args.parts and cuda:
+        if "profile" in args.parts and cuda and n == 0:
             ct = compile_transformer(
-                copy.deepcopy(model), config="flux-1024-fp8", cuda_graphs=False, **overrides
+                copy.deepcopy(model), config="flux-1024-fp8", cuda_graphs=False, **fp8, **overrides
             )
             ct(**kw, return_dict=False)
             result["profile_fp8"] = kernel_profile(ct, kw)
@@ -274,7 +287,7 @@ def main() -> None:
             del ct
         del ours, m
         free()
-        if cuda and "torchao" in args.parts:
+        if cuda and "torchao" in args.parts and n == len(variants) - 1:
             m, base_gb = model_copy(model)
             peer = regional_torchao(m)
             records.append(

@@ -4,8 +4,10 @@
 
 At the shapes the 7B PRX (1024² b2: 8704 rows; hidden 3072, MLP 12288) and FLUX.1-dev (1024² b1:
 4608 rows; hidden 3072, single-block MLP input 15360) run them: ``row_quant_fp8`` (a row of bf16 ->
-e4m3 and its scale) and ``gelu_mul_quant_fp8`` (GELU(gate) * up -> e4m3), each with the warps the
-library launches and with the others, timed back to back (50 launches between two CUDA events, the
+e4m3 and its scale), ``rows_quant_fp8`` with GELUs and a concatenation in the same pass (0.30: FLUX's
+feed-forward input GELU(h) and its single blocks' [attention; GELU(mlp)], read from the producers'
+outputs) and ``gelu_mul_quant_fp8`` (GELU(gate) * up -> e4m3), each with the warps the library
+launches and with the others, timed back to back (50 launches between two CUDA events, the
 least of 5 such runs): ms per call and GB/s of the bytes each must move (read once, write once).
 The shipped call's output is compared with the torch composition (``scale_err``: the scales' largest
 relative difference; ``codes_differ``: the share of e4m3 codes that differ).
@@ -24,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prx_compile.ops import kernels  # noqa: E402
 
-SHAPES = {  # (rows, columns) each kernel meets in a step
-    "pixel7b_row_3072": ("row", 8704, 3072),
-    "pixel7b_gelu_12288": ("gelu", 8704, 12288),
-    "flux_row_3072": ("row", 4608, 3072),
-    "flux_row_15360": ("row", 4608, 15360),
-    "flux_gelu_12288": ("gelu", 4608, 12288),
+SHAPES = {  # (kind, rows, the parts' columns, GELU per part) each kernel meets in a step
+    "pixel7b_row_3072": ("row", 8704, (3072,), (False,)),
+    "pixel7b_gelu_12288": ("gelu_mul", 8704, (12288,), (True,)),
+    "flux_row_3072": ("row", 4608, (3072,), (False,)),
+    "flux_row_15360": ("row", 4608, (15360,), (False,)),  # 0.29's single-block proj_out input
+    "flux_rows_3072_gelu_12288": ("row", 4608, (3072, 12288), (False, True)),  # 0.30's
+    "flux_row_gelu_12288": ("row", 4608, (12288,), (True,)),  # 0.30's feed-forward ff.net.2 input
+    "flux_gelu_12288": ("gelu_mul", 4608, (12288,), (True,)),
 }
 
 
@@ -54,21 +58,28 @@ def main() -> None:
     row_quant, gelu_mul_quant, triton = kernels._row_quant_kernel()
     out: dict = {"what": " ".join(__doc__.split("\n\n")[2].split()), "shapes": {}}
     torch.manual_seed(0)
-    for name, (kind, m, k) in SHAPES.items():
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for name, (kind, m, widths, gelu) in SHAPES.items():
+        k = sum(widths)
+        parts = [torch.randn(m, w, device="cuda", dtype=torch.bfloat16) for w in widths]
         u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
         s = torch.empty(m, 1, device="cuda", dtype=torch.float32)
-        bk = triton.next_power_of_2(k)
         if kind == "row":
-            ref_q, ref_s = kernels.row_quant_fp8_torch(x)
+            ref_q, ref_s = kernels.rows_quant_fp8_torch(parts, list(gelu))
             moved = m * k * 2 + m * k + m * 4
+            a, b = parts[0], parts[-1]
+            kb = widths[1] if len(widths) == 2 else 0
+            bka, bkb = triton.next_power_of_2(widths[0]), triton.next_power_of_2(kb) if kb else 0
 
-            def launch(w, x=x, q=q, s=s, m=m, k=k, bk=bk):
-                row_quant[(m,)](x, q, s, k, x.stride(0), BK=bk, num_warps=w)
+            def launch(w, a=a, b=b, q=q, s=s, m=m, kb=kb, bka=bka, bkb=bkb, gelu=gelu):
+                row_quant[(m,)](
+                    a, b, q, s, a.shape[1], kb, a.stride(0), b.stride(0), gelu[0], gelu[-1],
+                    BKA=bka, BKB=bkb, num_warps=w,
+                )  # fmt: skip
 
-            shipped = kernels.row_quant_fp8(x)
+            shipped = kernels.rows_quant_fp8(parts, list(gelu))
         else:
+            x, bk = parts[0], triton.next_power_of_2(k)
             ref_q, ref_s = kernels.gelu_mul_quant_fp8_torch(x, u)
             moved = 2 * m * k * 2 + m * k + m * 4
 
@@ -76,7 +87,8 @@ def main() -> None:
                 gelu_mul_quant[(m,)](x, u, q, s, k, x.stride(0), u.stride(0), BK=bk, num_warps=w)
 
             shipped = kernels.gelu_mul_quant_fp8(x, u)
-        row = {"rows": m, "cols": k, "mb_moved": round(moved / 1e6, 1), "warps": {}}
+        row = {"rows": m, "cols": list(widths), "gelu": list(gelu), "mb_moved": round(moved / 1e6, 1)}
+        row["warps"] = {}
         row["scale_err"] = float(((shipped[1] - ref_s).abs() / ref_s).max())
         row["codes_differ"] = float((shipped[0].float() != ref_q.float()).float().mean())
         for w in (2, 4, 8, 16, 32):

@@ -61,6 +61,7 @@ ENGINE_KEYS = (
     "attention",
     "select_as_slice",
     "fp8_mlp",
+    "fp8_inputs",
     "fp8_attention",
     "attention_kernel",
     "fuse_mlp_gate",
@@ -111,6 +112,10 @@ class CompileConfig:
     fp8_mlp: with ``precision: fp8``, run each block's MLP as one ``fp8_gated_mlp`` op (three FP8
         GEMMs, the input quantised once, GELU * up quantised in one pass) instead of three FP8 linears
         with an engine for GELU * up between them.
+    fp8_inputs: with ``precision: fp8``, the FP8 linears that read one input quantise it once, and a
+        concatenation or tanh GELU that makes it runs in that quantising pass (one ``fp8_linears``
+        op; FLUX.1's q/k/v projections, its feed-forward's second linear, its single blocks' output
+        projection) instead of a quantisation per linear and an engine writing the bf16 input.
     fp8_attention: with ``precision: fp8`` and ``attention: fused``, whether PRX's joint attention may
         run on FP8 tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one
         scale per block of tokens and head, computed on the device; with the ``cudnn`` extra also
@@ -190,6 +195,7 @@ class CompileConfig:
     cuda_graphs: bool = True
     select_as_slice: bool = True
     fp8_mlp: bool = True
+    fp8_inputs: bool = True
     fp8_attention: bool | str = "auto"
     fp8_masters: str = "device"
     attention_kernel: str = "auto"
@@ -247,6 +253,7 @@ class CompileConfig:
             "static",
             "select_as_slice",
             "fp8_mlp",
+            "fp8_inputs",
             "fuse_mlp_gate",
             "share_engines",
         )

@@ -278,6 +278,28 @@ def test_fp8_quantises_every_block_linear_and_stays_close():
     assert 0 < err < 0.05 and math.isfinite(err)
 
 
+def test_fp8_inputs_are_quantised_once_with_their_gelu_and_concatenation():
+    """Rule ``fp8_inputs`` on FLUX.1: per double block the image and text q/k/v projections share
+    one quantisation each and both feed-forwards' second linears take their GELU into it; per single
+    block the q/k/v and MLP projections share one, and ``proj_out`` takes the concatenation and the
+    MLP's GELU. On a CPU the step equals the unfused one bit for bit."""
+    model = make_flux()
+    kw = flux_inputs(model)
+    outs, ops = [], []
+    for on in (True, False):
+        ct = compile_transformer(
+            model, backend="eager", device="cpu", static=True, precision="fp8", fp8_inputs=on, **SMALL
+        )
+        outs.append(ct(**kw, return_dict=False)[0])
+        ops.append(ct.report()["torch_ops"])
+    double, single = TINY_FLUX["num_layers"], TINY_FLUX["num_single_layers"]
+    assert ops[0]["prx_compile.fp8_linears.default"] == 4 * double + 2 * single
+    assert ops[0]["prx_compile.fp8_linear.default"] == 4 * double  # to_out, to_add_out, both MLPs' first
+    assert ops[1]["prx_compile.fp8_linear.default"] == 12 * double + 5 * single
+    assert "prx_compile.fp8_linears.default" not in ops[1]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_the_flux_pipeline_runs_the_compiled_transformer_and_makes_eagers_latents():
     pipe = tiny_flux_pipeline()
     args = dict(prompt="a cat", height=16, width=16, num_inference_steps=3, max_sequence_length=8)
@@ -368,15 +390,21 @@ def test_the_fused_attention_names_a_bad_operand_in_one_line():
         )
 
 
-def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists():
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists(precision):
     """As a TensorRT build exports (``prepare``: our rules, then the decompositions, both of which drop
     dead code): the last single block's text tokens, which nothing reads after it, keep their place in
     the block's boundary, so one block of each list is traced and copied (0.18 traced every block:
-    11-13 s of FLUX.1-dev's first call) and the result is the full export's."""
+    11-13 s of FLUX.1-dev's first call) and the result is the full export's. In fp8 the copies hold
+    ``fp8_linears`` (lists of weights in, a list out) like the block they copy."""
     from prx_compile.export.repeat import BOUNDARY
     from prx_compile.lowering import lower
+    from prx_compile.models import spec_for
+    from prx_compile.quant import fp8
 
     model = make_flux({**TINY_FLUX, "num_layers": 3, "num_single_layers": 4})
+    if precision == "fp8":
+        fp8.install(model, spec_for(model).block_linears)
     kw = flux_inputs(model, batch=2, tokens=16)
     prepared = []
 
@@ -396,6 +424,8 @@ def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists():
         return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
 
     assert ops(once) == ops(full)
+    if precision == "fp8":
+        assert ops(once)["prx_compile.fp8_linears.default"] == 4 * 3 + 2 * 4
     weights = [weight_tensors(model)[n] for n in names]
     with torch.no_grad():
         got = once.module()(**kw, weights=weights)

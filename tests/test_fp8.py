@@ -2,7 +2,10 @@
 eager, LoRA re-quantisation (exact switches), artifacts, config and cache keys."""
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,27 +74,45 @@ def test_fp8_gated_mlp_is_the_three_fp8_linears():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
-def test_triton_quant_kernels_in_the_interpreter(monkeypatch):
+def test_triton_quant_kernels_in_the_interpreter():
     """The Triton kernels' arithmetic on the CPU, through TRITON_INTERPRET (CI has no triton; the GPU
-    tests run them compiled and compare the FP8 codes). The interpreter's casts to bf16 and fp8 do not
-    round as the GPU does, so the kernels write fp32 here and are compared to two bf16 ulps (two
-    roundings)."""
+    tests run them compiled and compare the FP8 codes), in a new process: TRITON_INTERPRET must be set
+    before triton is first imported (torch imports it where installed)."""
+    code = "from tests.test_fp8 import quant_kernels_check; quant_kernels_check()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def quant_kernels_check() -> None:
+    """The body of the test above. The interpreter's casts to bf16 and fp8 do not round as the GPU
+    does, so the kernels write fp32 here and are compared to two bf16 ulps (two roundings)."""
     from prx_compile.ops import kernels
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(kernels, "_ROW_QUANT_KERNEL", None)
     row_quant, gelu_mul_quant, _ = kernels._row_quant_kernel()
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(6, 80, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
     a[2, 5] = float("nan")
+    c = (torch.randn(6, 48, generator=g) * 3).to(torch.bfloat16)
+    gelu = torch.nn.functional.gelu
     for launch, value in (
-        (lambda q, s: row_quant[(6,)](a, q, s, 80, a.stride(0), BK=128), a),
+        (lambda q, s: row_quant[(6,)](a, a, q, s, 80, 0, a.stride(0), 0, False, False, BKA=128, BKB=0), a),
+        (  # two parts, the second through GELU (a FLUX single block's cat([attention, gelu(mlp)]))
+            lambda q, s: row_quant[(6,)](
+                a, c, q, s, 80, 48, a.stride(0), c.stride(0), False, True, BKA=128, BKB=64
+            ),
+            torch.cat([a, gelu(c, approximate="tanh")], -1),
+        ),
+        (  # one part through GELU (FLUX's feed-forward)
+            lambda q, s: row_quant[(6,)](a, a, q, s, 80, 0, a.stride(0), 0, True, False, BKA=128, BKB=0),
+            gelu(a, approximate="tanh"),
+        ),
         (
             lambda q, s: gelu_mul_quant[(6,)](a, b, q, s, 80, a.stride(0), b.stride(0), BK=128),
-            torch.nn.functional.gelu(a, approximate="tanh") * b,
+            gelu(a, approximate="tanh") * b,
         ),
     ):
-        q, s = torch.empty(6, 80), torch.empty(6, 1)
+        q, s = torch.empty(value.shape), torch.empty(6, 1)
         launch(q, s)
         rows = [0, 1, 3, 4, 5]
         scale = value[rows].float().abs().amax(-1, keepdim=True) / 448
@@ -125,8 +146,10 @@ def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(ba
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
     assert 0 < rel_err(out, full) < 2e-2
     ops, depth = ct.report()["torch_ops"], len(model.blocks)
-    assert ops["prx_compile.fp8_linear.default"] == (3 if fp8_mlp else 6) * depth
+    # unfused, the MLP's gate and up read one x: one fp8_linears quantises it once (rule fp8_inputs)
+    assert ops["prx_compile.fp8_linear.default"] == (3 if fp8_mlp else 4) * depth
     assert ops.get("prx_compile.fp8_gated_mlp.default", 0) == (depth if fp8_mlp else 0)
+    assert ops.get("prx_compile.fp8_linears.default", 0) == (0 if fp8_mlp else depth)
     assert "prx_compile.prx_attention_fp8.default" not in ops
 
 

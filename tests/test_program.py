@@ -6,6 +6,7 @@ them stand in for engines (run by PyTorch, named as such): conversion, JSON roun
 interpreter, and the validation of hostile JSON are all checked against eager."""
 
 import json
+import operator
 
 import pytest
 import torch
@@ -216,3 +217,60 @@ def test_a_program_with_the_fused_mlp_gate_matches_eager():
 
     ops = round_trip_against_eager(LoweringSettings(gelu_gate=True, padded_attention="cudnn"), GELU_GATE)
     assert ops["prx_compile.gelu_gate.default"] == make_prx().config.depth, ops
+
+
+def test_a_flux_fp8_program_with_shared_quantisations_round_trips():
+    """FLUX.1 in fp8 (rule ``fp8_inputs``): each ``fp8_linears`` returns a list that ``getitem`` takes
+    apart in its PyTorch piece, as Torch-TensorRT leaves a getitem with the op it reads. The Program
+    and its JSON copy take both and compute the eager FP8 model's numbers (its CPU path: the
+    composition, exactly)."""
+    from prx_compile.export import example_inputs, weight_tensors
+    from prx_compile.models import spec_for
+    from prx_compile.ops import FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS
+    from prx_compile.quant import fp8
+    from prx_compile.tools.testing import make_flux
+
+    model = make_flux()
+    spec = spec_for(model)
+    fp8.install(model, spec.block_linears)
+    kw = example_inputs(model, 2, 64, 1, 8)
+    ep, names = export_step(model, kw, weights="inputs", fuse_attention=True)
+    lower(ep.graph_module, LoweringSettings())
+    gm = ep.module()
+    for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+        gm.graph.erase_node(node)  # torch.export's input guards (not in what Torch-TensorRT partitions)
+    kept, ids, part = {FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS}, {}, 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in kept:
+            part += 2
+            ids[node] = part - 1
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in ids:
+            ids[node] = ids[node.args[0]]  # with the op it takes apart
+        else:
+            ids[node] = part
+    sp = split_module(gm, model, lambda n: ids[n])
+    sp.graph._codegen = gm.graph._codegen
+    sp.recompile()
+    engines = {
+        n: m
+        for n, m in sp.named_children()
+        if isinstance(m, torch.fx.GraphModule) and not any(x.target in kept for x in m.graph.nodes)
+    }
+    inputs = spec.inputs(model)
+    weights = weight_tensors(model)  # the FP8 copies and scales are buffers
+    prog, consts = from_graph_module(
+        sp, engines=set(engines), weight_names=names, params=weights, inputs=inputs
+    )
+    ops = prog.torch_ops()
+    assert ops["prx_compile.fp8_linears.default"] == 12 and ops["prx_compile.fp8_linear.default"] == 8, ops
+    again = Program.from_json(
+        json.loads(json.dumps(prog.to_json())),
+        engines=set(engines),
+        params=set(weights),
+        constants=set(consts),
+        inputs=inputs,
+    )
+    ref = eager(model, kw)
+    for p in (prog, again):
+        out = p.run(kw, weights, engines, consts)[0]
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), (out - ref).abs().max()

@@ -7,8 +7,8 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_attention, padded_attention,
-  dense_attention, gelu_gate, linear):
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_inputs, fp8_attention,
+  padded_attention, dense_attention, gelu_gate, linear):
   ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
   TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
@@ -38,6 +38,7 @@ from . import (
     dense_attention,
     fold,
     fp8_attention,
+    fp8_inputs,
     fp8_mlp,
     gelu_gate,
     linear,
@@ -64,6 +65,8 @@ class LoweringSettings:
         matmul/softmax inside TensorRT (one engine, slower attention).
     select_as_slice: rewrite constant-index ``select`` into ``slice`` (no gather in TensorRT).
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
+    fp8_inputs: FP8 linears reading one input quantise it once, the concatenation or GELU that makes
+        it fused into that pass (one ``fp8_linears`` op).
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
     fp8_tile: the FP8 kernels' tiling, an index into ``ops.fp8_attention.TILES``.
     padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
@@ -78,6 +81,7 @@ class LoweringSettings:
     attention: str = "flash"
     select_as_slice: bool = True
     fp8_mlp: bool = True
+    fp8_inputs: bool = True
     fp8_attention: bool = False
     fp8_tile: int = 0
     padded_attention: str | None = None
@@ -131,6 +135,7 @@ register_rule("fold")(fold.rule)
 register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
+register_rule("fp8_inputs")(fp8_inputs.rule)  # after fp8_mlp: PRX's gate and up read one x too
 register_rule("fp8_attention")(fp8_attention.rule)
 register_rule("padded_attention")(padded_attention.rule)
 register_rule("dense_attention")(dense_attention.rule)

@@ -4,7 +4,9 @@
   in PyTorch ops, for CPU or CUDA without triton).
 * ``qk_norm_rope`` — per-head RMSNorm, optional RoPE and a copy of the matching values, in one pass
   over a projection's output (``ops.qk_norm_rope_torch``: diffusers' arithmetic in PyTorch ops).
-* ``row_quant_fp8`` — per-row FP8 quantisation of a GEMM input (``row_quant_fp8_torch``).
+* ``row_quant_fp8`` — per-row FP8 quantisation of a GEMM input (``row_quant_fp8_torch``);
+  ``rows_quant_fp8`` the same of ``cat([gelu_tanh(a) or a, gelu_tanh(b) or b], -1)`` in the same pass
+  (``rows_quant_fp8_torch``).
 * ``gelu_mul_quant_fp8`` — ``gelu_tanh(gate) * up`` quantised per row for the next FP8 GEMM, one pass
   (``gelu_mul_quant_fp8_torch``).
 
@@ -14,6 +16,7 @@ triton ships with CUDA builds of torch; it is imported only when a kernel first 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -398,16 +401,50 @@ def _row_quant_kernel():
     import triton.language as tl
 
     @triton.jit
-    def _row_quant(x, q, s, K, stride_x, BK: tl.constexpr):
+    def _row_quant(
+        a,
+        b,
+        q,
+        s,
+        KA,
+        KB,
+        stride_a,
+        stride_b,
+        GELU_A: tl.constexpr,
+        GELU_B: tl.constexpr,
+        BKA: tl.constexpr,
+        BKB: tl.constexpr,
+    ):
+        """One row of cat([a or gelu_tanh(a), b or gelu_tanh(b)], -1) (BKB == 0: a alone) -> e4m3
+        codes and the row's scale. A GELU is rounded to the input dtype, as torch's gelu writes it:
+        x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)). Helpers are written out: the CPU
+        interpreter does not resolve a nested jit function."""
         row = tl.program_id(0)
-        cols = tl.arange(0, BK)
-        v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        # quantise the fp32 row v: a NaN element stays NaN, as in torch (the row's scale ignores it,
-        # where torch's becomes NaN: the GEMM's output row is NaN either way); the rest is clamped
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
-        y = v / scale
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
-        tl.store(q + row * K + cols, y.to(q.dtype.element_ty), mask=cols < K)
+        ca = tl.arange(0, BKA)
+        xa = tl.load(a + row * stride_a + ca, mask=ca < KA, other=0.0)
+        va = xa.to(tl.float32)
+        if GELU_A:
+            va = va * tl.sigmoid(1.5957691216057308 * (va + 0.044715 * va * va * va))
+            va = va.to(xa.dtype).to(tl.float32)
+        amax = tl.max(tl.abs(va), axis=0)
+        if BKB > 0:
+            cb = tl.arange(0, BKB)
+            xb = tl.load(b + row * stride_b + cb, mask=cb < KB, other=0.0)
+            vb = xb.to(tl.float32)
+            if GELU_B:
+                vb = vb * tl.sigmoid(1.5957691216057308 * (vb + 0.044715 * vb * vb * vb))
+                vb = vb.to(xb.dtype).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(vb), axis=0))
+        # a NaN element stays NaN, as in torch (the row's scale ignores it, where torch's becomes
+        # NaN: the GEMM's output row is NaN either way); the rest is clamped
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        ya = va / scale
+        ya = tl.where(ya != ya, ya, tl.minimum(tl.maximum(ya, -448.0), 448.0))
+        tl.store(q + row * (KA + KB) + ca, ya.to(q.dtype.element_ty), mask=ca < KA)
+        if BKB > 0:
+            yb = vb / scale
+            yb = tl.where(yb != yb, yb, tl.minimum(tl.maximum(yb, -448.0), 448.0))
+            tl.store(q + row * (KA + KB) + KA + cb, yb.to(q.dtype.element_ty), mask=cb < KB)
         tl.store(s + row, scale)
 
     @triton.jit
@@ -417,12 +454,10 @@ def _row_quant_kernel():
         a = tl.load(g + row * stride_g + cols, mask=cols < K, other=0.0)
         b = tl.load(u + row * stride_u + cols, mask=cols < K, other=0.0)
         x = a.to(tl.float32)
-        # gelu(x, "tanh") = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)); rounded to the input
-        # dtype, then the product rounded again: the same two roundings as torch's gelu(g) * u
+        # gelu(x, "tanh") as above, rounded to the input dtype, then the product rounded again: the
+        # same two roundings as torch's gelu(g) * u
         act = (x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))).to(a.dtype)
         v = (act.to(tl.float32) * b.to(tl.float32)).to(a.dtype).to(tl.float32)
-        # quantise the fp32 row v: a NaN element stays NaN, as in torch (the row's scale ignores it,
-        # where torch's becomes NaN: the GEMM's output row is NaN either way); the rest is clamped
         scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / 448.0
         y = v / scale
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
@@ -444,15 +479,32 @@ def _quant_out(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torc
 
 def row_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``row_quant_fp8_torch`` in one pass (one Triton program per row) on CUDA; the torch ops elsewhere."""
-    if not _use_triton(x):
-        return row_quant_fp8_torch(x)
-    row_quant, _, triton = _row_quant_kernel()
-    m, k = x.shape
-    q, s = _quant_out(m, k, x.device)
-    bk = triton.next_power_of_2(k)
+    return rows_quant_fp8([x], [False])
+
+
+def rows_quant_fp8_torch(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K_i) parts -> ``row_quant_fp8_torch(cat([gelu_tanh(p) if g else p], -1))``."""
+    acts = [F.gelu(p, approximate="tanh") if g else p for p, g in zip(parts, gelu, strict=True)]
+    return row_quant_fp8_torch(acts[0] if len(acts) == 1 else torch.cat(acts, -1))
+
+
+def rows_quant_fp8(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows_quant_fp8_torch`` in one pass on CUDA for one or two parts (neither the GELU nor the
+    concatenation is written in bf16); the torch ops elsewhere. parts: (M, K_i) of one dtype, each
+    with unit column stride. Returns (M, sum K_i) float8_e4m3fn and (M, 1) fp32 scales."""
+    if len(parts) > 2 or not _use_triton(*parts):
+        return rows_quant_fp8_torch(parts, gelu)
+    kernel, _, triton = _row_quant_kernel()
+    a, b = parts[0], parts[-1]
+    ka, kb = a.shape[1], b.shape[1] if len(parts) == 2 else 0
+    q, s = _quant_out(a.shape[0], ka + kb, a.device)
+    bka, bkb = triton.next_power_of_2(ka), triton.next_power_of_2(kb) if kb else 0
     # widths measured at the step's shapes (``quant_kernels_v21_h200.json``): 4 warps up to 4096
     # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360)
-    row_quant[(m,)](x, q, s, k, x.stride(0), BK=bk, num_warps=8 if bk > 4096 else 4)
+    warps = 8 if bka + bkb > 4096 else 4
+    kernel[(a.shape[0],)](
+        a, b, q, s, ka, kb, a.stride(0), b.stride(0), gelu[0], gelu[-1], BKA=bka, BKB=bkb, num_warps=warps
+    )
     return q, s
 
 

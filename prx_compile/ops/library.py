@@ -17,6 +17,10 @@
   ``prx_attention_cudnn_fp8_linear`` the same with the FP8 output projection that follows it.
 * ``torch.ops.prx_compile.fp8_linear`` — ``x @ W.T (+ bias)`` as an FP8 GEMM (``precision: fp8``):
   activations quantised per row at run time, W stored FP8 with per-output-channel scales.
+* ``torch.ops.prx_compile.fp8_linears`` — the FP8 linears that read one input, the input quantised
+  once, with the concatenation and tanh GELUs that make it fused into that pass (FLUX.1's q/k/v
+  projections, its MLP's second linear, its single blocks' output projection; rule
+  ``lowering.fp8_inputs``).
 * ``torch.ops.prx_compile.fp8_gated_mlp`` — PRX's MLP ``down(gelu_tanh(gate(x)) * up(x))`` as three
   FP8 GEMMs with the quantisations fused (rule ``lowering.fp8_mlp``).
 * ``torch.ops.prx_compile.linear`` — ``F.linear`` run by PyTorch (cuBLAS) between engines (rule
@@ -778,6 +782,55 @@ def _(x, weight_fp8, weight_scale, bias):
     return x.new_empty((*x.shape[:-1], weight_fp8.shape[0]))
 
 
+@torch.library.custom_op(f"{_LIB}::fp8_linears", mutates_args=())
+def fp8_linears(
+    parts: list[torch.Tensor],
+    gelu: list[bool],
+    weights_fp8: list[torch.Tensor],
+    weight_scales: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+) -> list[torch.Tensor]:
+    """``[fp8_linear(x, W_j, S_j, b_j) for each j]`` with ``x = cat([gelu_tanh(p) if g else p for p,
+    g in zip(parts, gelu)], -1)``, x quantised once.
+
+    parts: (..., K_i) of one dtype and leading shape; weights_fp8 (N_j, sum K_i) float8_e4m3fn with
+    (N_j,) fp32 scales and (N_j,) biases or None. Returns one (..., N_j) per weight, in the parts'
+    dtype. On CUDA one Triton pass makes x's e4m3 rows and scales from one or two parts
+    (``kernels.rows_quant_fp8``: neither the GELU nor the concatenation is written in bf16); each
+    GEMM is ``fp8_linear``'s. On a CPU it is that composition exactly.
+    """
+    from .kernels import rows_quant_fp8
+
+    _expect(len(parts) >= 1 and len(gelu) == len(parts), "fp8_linears needs one gelu flag per part")
+    _expect(
+        len(weights_fp8) >= 1 and len(weight_scales) == len(biases) == len(weights_fp8),
+        "fp8_linears needs one scale and one bias (or None) per weight",
+    )
+    lead, dtype = tuple(parts[0].shape[:-1]), parts[0].dtype
+    for i, p in enumerate(parts):
+        _expect(
+            p.dim() >= 1 and tuple(p.shape[:-1]) == lead and p.dtype == dtype,
+            f"part {i} is {tuple(p.shape)} {p.dtype}, not (*{lead}, K) {dtype}",
+        )
+    k = sum(p.shape[-1] for p in parts)
+    outs = []
+    for j, (w, sc, b) in enumerate(zip(weights_fp8, weight_scales, biases, strict=True)):
+        n = _check_fp8_weight(f"weights_fp8[{j}]", w, sc, k)
+        _expect(b is None or tuple(b.shape) == (n,), f"biases[{j}] must have shape ({n},)")
+        outs.append(n)
+    rows = [p.reshape(-1, p.shape[-1]).contiguous() for p in parts]
+    q, s = rows_quant_fp8(rows, list(gelu))
+    return [
+        _fp8_gemm(q, s, w, sc, dtype, b).view(*lead, n)
+        for w, sc, b, n in zip(weights_fp8, weight_scales, biases, outs, strict=True)
+    ]
+
+
+@fp8_linears.register_fake
+def _(parts, gelu, weights_fp8, weight_scales, biases):
+    return [parts[0].new_empty((*parts[0].shape[:-1], w.shape[0])) for w in weights_fp8]
+
+
 @torch.library.custom_op(f"{_LIB}::fp8_gated_mlp", mutates_args=())
 def fp8_gated_mlp(
     x: torch.Tensor,
@@ -1022,6 +1075,7 @@ PRX_ATTENTION_FP8 = declare(prx_attention_fp8, "attention")
 ATTENTION = declare(attention, "attention")
 FLUX_ATTENTION = declare(flux_attention, "attention")
 FP8_LINEAR = declare(fp8_linear, "fp8")
+FP8_LINEARS = declare(fp8_linears, "fp8")
 FP8_GATED_MLP = declare(fp8_gated_mlp, "fp8")
 LINEAR = declare(linear, "linear")
 GELU_GATE = declare(gelu_gate, "linear")

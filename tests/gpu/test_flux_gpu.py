@@ -93,6 +93,24 @@ def test_a_token_range_and_fp8():
     assert rel_err(fp8(**kw, return_dict=False)[0], ref) < 6e-2
 
 
+def test_fp8_inputs_quantised_once_between_the_engines():
+    """Rule ``fp8_inputs`` under TensorRT: each ``fp8_linears`` and the getitems that take its list
+    apart run in PyTorch, the engines that wrote the GELUs and the concatenations are gone, and the
+    step is the unfused one's but for a GELU rounded across an FP8 code now and then."""
+    kw = example_inputs(make_flux(SMALL_FLUX), 1, 256, 1, 64, dtype=torch.bfloat16, device="cuda")
+    outs, reports = [], []
+    for on in (True, False):
+        model = make_flux(SMALL_FLUX, dtype=torch.bfloat16, device="cuda")
+        ct = compile_transformer(model, precision="fp8", fp8_inputs=on, **CONFIG)
+        outs.append(ct(**kw, return_dict=False)[0])
+        reports.append(ct.report())
+    on, off = reports
+    assert on["torch_ops"]["prx_compile.fp8_linears.default"] == 4 * 2 + 2 * 2, on["torch_ops"]
+    assert "prx_compile.fp8_linears.default" not in off["torch_ops"], off["torch_ops"]
+    assert on["engine_calls"] < off["engine_calls"], (on["engine_calls"], off["engine_calls"])
+    assert rel_err(outs[0], outs[1]) < 5e-3
+
+
 def test_the_fused_attention_kernels_match_diffusers_processor():
     """``flux_attention`` on the GPU (the Triton norm/RoPE pass writing the attention's buffers, then
     each dense kernel) against diffusers' own processor, eager, bf16: a wrong offset, rounding or

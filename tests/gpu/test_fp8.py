@@ -13,6 +13,8 @@ from prx_compile.ops.kernels import (
     gelu_mul_quant_fp8_torch,
     row_quant_fp8,
     row_quant_fp8_torch,
+    rows_quant_fp8,
+    rows_quant_fp8_torch,
 )
 from prx_compile.quant import fp8
 from prx_compile.tools.bench import rel_err
@@ -45,10 +47,38 @@ def test_triton_gelu_mul_quant_equals_the_torch_one(k):
     assert same_codes(*gelu_mul_quant_fp8(g, u), *gelu_mul_quant_fp8_torch(g, u))
 
 
+@pytest.mark.parametrize(
+    "widths,gelu",
+    [
+        ((3072,), (True,)),
+        ((3072, 12288), (False, True)),
+        ((64, 1792), (True, False)),
+        ((3072, 3072), (False, False)),
+    ],
+)
+def test_triton_rows_quant_equals_the_torch_one(widths, gelu):
+    """One pass over [a or gelu(a); b or gelu(b)] (FLUX.1's feed-forward and single-block inputs)."""
+    parts = [torch.randn(300, k, device="cuda", dtype=torch.bfloat16) * 3 for k in widths]
+    assert same_codes(*rows_quant_fp8(parts, list(gelu)), *rows_quant_fp8_torch(parts, list(gelu)))
+
+
+def test_fp8_linears_on_cuda_match_fp8_linear_over_the_concatenation():
+    a, h = (torch.randn(2, 300, k, device="cuda", dtype=torch.bfloat16) for k in (256, 1024))
+    ws = [torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16) * 0.02 for n in (512, 384)]
+    bias = torch.randn(384, device="cuda", dtype=torch.bfloat16)
+    (w0, s0), (w1, s1) = (fp8.quantize_weight(w) for w in ws)
+    outs = torch.ops.prx_compile.fp8_linears([a, h], [False, True], [w0, w1], [s0, s1], [None, bias])
+    x = torch.cat([a, torch.nn.functional.gelu(h, approximate="tanh")], -1)
+    lin = torch.ops.prx_compile.fp8_linear
+    for out, ref in zip(outs, (lin(x, w0, s0, None), lin(x, w1, s1, bias)), strict=True):
+        assert rel_err(out, ref) < 1e-3  # the same GEMMs; a GELU's code may differ by one ulp
+
+
 def test_triton_quantisers_keep_nan_as_torch_does():
     x = torch.randn(4, 1792, device="cuda", dtype=torch.bfloat16)
     x[1, 7] = float("nan")
-    for q, _ in (row_quant_fp8(x), gelu_mul_quant_fp8(x, x), row_quant_fp8_torch(x)):
+    both = rows_quant_fp8([x, x], [False, True])[0].view(4, 2, -1).transpose(0, 1)
+    for q in (row_quant_fp8(x)[0], gelu_mul_quant_fp8(x, x)[0], row_quant_fp8_torch(x)[0], *both):
         assert q.float()[1].isnan().any() and not q.float()[[0, 2, 3]].isnan().any()
 
 

@@ -130,6 +130,7 @@ def test_rules_registry_is_ordered_and_documented():
         "attention",
         "select",
         "fp8_mlp",
+        "fp8_inputs",
         "fp8_attention",
         "padded_attention",
         "dense_attention",
