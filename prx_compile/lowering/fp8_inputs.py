@@ -14,7 +14,8 @@ and TensorRT engines between the GEMMs wrote the GELUs' and the concatenations' 
 quantiser to read again.
 Exact on a CPU (the op is the composition); on CUDA the fused GELU rounds like torch's from a
 different formula (within one FP8 code per element, as ``fp8_mlp``'s).
-The replaced nodes are left unused, for ``lower``'s dead-code pass.
+The replaced linears are erased, and so are the concatenation, GELU and dropout folded into the
+op (an eval dropout is impure to ``lower``'s dead-code pass).
 Switch: ``LoweringSettings.fp8_inputs`` (``CompileConfig.fp8_inputs``).
 """
 
@@ -64,7 +65,8 @@ def _parts(x: fx.Node, readers: list[fx.Node]) -> list[tuple[fx.Node, bool]]:
     if _is(x, aten.cat.default) and isinstance(x.args[0], (list, tuple)) and len(x.args[0]) == 2:
         dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
         parts = x.args[0]
-        if has_fake_values(*parts) and dim in (-1, x.meta["val"].dim() - 1):
+        same = has_fake_values(*parts) and all(p.meta["val"].dtype == x.meta["val"].dtype for p in parts)
+        if same and dim in (-1, x.meta["val"].dim() - 1):  # (cat promotes mixed dtypes; the op does not)
             return [_act(p, [x]) for p in parts]
     return [_act(x, readers)]
 

@@ -469,7 +469,13 @@ def _row_quant_kernel():
 
 
 def _use_triton(*xs: torch.Tensor) -> bool:
-    return all(x.is_cuda and x.stride(-1) == 1 and x.shape[-1] <= 1 << 15 for x in xs) and triton_available()
+    """CUDA tensors of unit column stride whose rows hold at most 2^15 values together (a Triton
+    program holds a row in registers)."""
+    return (
+        all(x.is_cuda and x.stride(-1) == 1 for x in xs)
+        and sum(x.shape[-1] for x in xs) <= 1 << 15
+        and triton_available()
+    )
 
 
 def _quant_out(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,12 +496,25 @@ def rows_quant_fp8_torch(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[t
 
 def rows_quant_fp8(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows_quant_fp8_torch`` in one pass on CUDA for one or two parts (neither the GELU nor the
-    concatenation is written in bf16); the torch ops elsewhere. parts: (M, K_i) of one dtype, each
-    with unit column stride. Returns (M, sum K_i) float8_e4m3fn and (M, 1) fp32 scales."""
+    concatenation is written in bf16); the torch ops elsewhere. parts: (M, K_i), K_i > 0, of one
+    floating dtype and device. Returns (M, sum K_i) float8_e4m3fn and (M, 1) fp32 scales."""
+    a = parts[0] if parts else None
+
+    def fits(p: torch.Tensor) -> bool:
+        return p.dim() == 2 and p.shape[0] == a.shape[0] and p.shape[1] > 0 and p.dtype == a.dtype
+
+    if a is None or len(gelu) != len(parts) or not a.is_floating_point() or not all(map(fits, parts)):
+        got = [(tuple(p.shape), p.dtype) for p in parts]
+        raise ValueError(
+            f"rows_quant_fp8 needs (M, K_i) parts with K_i > 0 of one floating dtype and one gelu flag "
+            f"each, got {got} and {len(gelu)} flags"
+        )
+    if any(p.device != a.device for p in parts):
+        raise ValueError(f"rows_quant_fp8: parts on {sorted({str(p.device) for p in parts})}, not one device")
     if len(parts) > 2 or not _use_triton(*parts):
         return rows_quant_fp8_torch(parts, gelu)
     kernel, _, triton = _row_quant_kernel()
-    a, b = parts[0], parts[-1]
+    b = parts[-1]
     ka, kb = a.shape[1], b.shape[1] if len(parts) == 2 else 0
     q, s = _quant_out(a.shape[0], ka + kb, a.device)
     bka, bkb = triton.next_power_of_2(ka), triton.next_power_of_2(kb) if kb else 0

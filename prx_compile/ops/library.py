@@ -39,6 +39,8 @@ kernels; elsewhere they run PyTorch's exact math SDPA (a named CPU fallback, use
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -806,19 +808,21 @@ def fp8_linears(
         len(weights_fp8) >= 1 and len(weight_scales) == len(biases) == len(weights_fp8),
         "fp8_linears needs one scale and one bias (or None) per weight",
     )
-    lead, dtype = tuple(parts[0].shape[:-1]), parts[0].dtype
+    lead, dtype, device = tuple(parts[0].shape[:-1]), parts[0].dtype, parts[0].device
+    _expect(dtype in (torch.bfloat16, torch.float16, torch.float32), f"fp8_linears takes no {dtype} input")
     for i, p in enumerate(parts):
         _expect(
-            p.dim() >= 1 and tuple(p.shape[:-1]) == lead and p.dtype == dtype,
-            f"part {i} is {tuple(p.shape)} {p.dtype}, not (*{lead}, K) {dtype}",
+            p.dim() >= 1 and tuple(p.shape[:-1]) == lead and p.shape[-1] > 0 and p.dtype == dtype,
+            f"part {i} is {tuple(p.shape)} {p.dtype}, not (*{lead}, K > 0) {dtype}",
         )
+        _expect(p.device == device, f"part {i} is on {p.device}, part 0 on {device}")
     k = sum(p.shape[-1] for p in parts)
     outs = []
     for j, (w, sc, b) in enumerate(zip(weights_fp8, weight_scales, biases, strict=True)):
         n = _check_fp8_weight(f"weights_fp8[{j}]", w, sc, k)
         _expect(b is None or tuple(b.shape) == (n,), f"biases[{j}] must have shape ({n},)")
         outs.append(n)
-    rows = [p.reshape(-1, p.shape[-1]).contiguous() for p in parts]
+    rows = [p.reshape(math.prod(lead), p.shape[-1]).contiguous() for p in parts]
     q, s = rows_quant_fp8(rows, list(gelu))
     return [
         _fp8_gemm(q, s, w, sc, dtype, b).view(*lead, n)

@@ -163,6 +163,18 @@ def test_other_producers_are_left_alone(variant, left):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def test_a_concatenation_that_promotes_its_parts_is_left_alone():
+    """``cat`` promotes mixed dtypes, the op takes one: a bf16 GELU beside an fp32 part stays."""
+
+    class Mixed(Single):
+        def forward(self, attn, x):
+            return self.out(torch.cat([attn, F.gelu(self.mlp(x), approximate="tanh").bfloat16()], -1))
+
+    out, ref, calls = lowered(Mixed(), rand(2, 5, 16), rand(2, 5, 32, seed=2))
+    assert aten.cat.default in [c.target for c in calls] and FP8_LINEARS not in [c.target for c in calls]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_the_switch_and_a_lone_linear_leave_fp8_linear():
     for module, args, switches in (
         (QKV(3), (rand(2, 5, 32),), dict(fp8_inputs=False)),
@@ -188,7 +200,15 @@ def test_the_op_checks_its_arguments_in_one_line():
         (([a, b.double()], [False, False], [w], [s], [None]), "part 1 is"),
         (([a], [False], [w], [s], [None]), f"the input has 16 features, weights_fp8\\[0\\] {k}"),
         (([a, b], [False, False], [w], [s], [rand(7)]), r"biases\[0\] must have shape \(8,\)"),
+        (([a, b[:, :0]], [False, False], [w], [s], [None]), r"part 1 is \(3, 0\)"),
+        (([a.int(), b.int()], [False, False], [w], [s], [None]), "takes no torch.int32 input"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
             op(*args)
+    from prx_compile.ops.kernels import rows_quant_fp8
+
+    bad = (([], []), ([a, rand(2, 8)], [False, False]), ([a], [False, True]), ([a[:, :0]], [False]))
+    for parts, gelu in bad:
+        with pytest.raises(ValueError, match="rows_quant_fp8 needs"):
+            rows_quant_fp8(parts, gelu)
