@@ -147,6 +147,14 @@ def main() -> None:
         help="the fp8 part's fp8_inputs settings (off: a quantisation per FP8 linear, 0.29's graph), "
         "one record each for every --fp8-masters; the timeline and profile take the first",
     )
+    ap.add_argument(
+        "--linear-glue",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations in "
+        "engines), one record each; the lora, pipeline, saveload and timeline parts take the first",
+    )
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
     ap.add_argument("--iters", type=int, default=20)
@@ -198,11 +206,21 @@ def main() -> None:
     compiled = None
     if any(p in args.parts for p in ("bf16", "lora", "pipeline", "saveload", "timeline")):
         base_gb = memory_gb() if cuda else 0.0
-        compiled = compile_transformer(model, config="flux-1024-bf16", **overrides)
-        records.append(
-            record("compile_transformer[flux-1024-bf16]", compiled, kw, ref_out, base_gb, args.iters)
-        )
+        glue = args.linear_glue[0] == "on"
+        compiled = compile_transformer(model, config="flux-1024-bf16", linear_glue=glue, **overrides)
+        label = "compile_transformer[flux-1024-bf16]" + ("" if glue else " linear_glue=off")
+        records.append(record(label, compiled, kw, ref_out, base_gb, args.iters))
+        records[-1]["report"] = {k: compiled.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
         save()
+        for other in args.linear_glue[1:]:
+            base_gb = memory_gb() if cuda else 0.0
+            ct = compile_transformer(model, config="flux-1024-bf16", linear_glue=other == "on", **overrides)
+            label = "compile_transformer[flux-1024-bf16]" + ("" if other == "on" else " linear_glue=off")
+            records.append(record(label, ct, kw, ref_out, base_gb, args.iters))
+            records[-1]["report"] = {k: ct.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
+            del ct
+            free()
+            save()
     if "timeline" in args.parts and compiled is not None:
         result["timeline_bf16"] = step_timeline(compiled, kw)
         log(f"timeline bf16: {json.dumps({k: v for k, v in result['timeline_bf16'].items() if k != 'gaps'})}")

@@ -65,6 +65,7 @@ ENGINE_KEYS = (
     "fp8_attention",
     "attention_kernel",
     "fuse_mlp_gate",
+    "linear_glue",
     "share_engines",
     "weights",
     "optimization_level",
@@ -141,6 +142,10 @@ class CompileConfig:
         product in its epilogue (``gelu_gate``): each engine set times it against a cuBLAS GEMM and
         the product, and keeps the faster. False: never fused. Not with ``precision: fp8``
         (``fp8_mlp`` fuses its MLP).
+    linear_glue: where an engine set runs its linears in PyTorch (cuBLAS), a tanh GELU between two
+        linears runs in the first GEMM's epilogue (``linear_gelu``, with a bias) and a linear over a
+        two-part concatenation runs as two GEMMs over its weight's column blocks (``linear_cat``),
+        so neither is written in bf16 between engines (FLUX.1's feed-forward and single blocks).
     range_linears: where the engine sets for a range of shapes run their linears: "torch" (cuBLAS,
         between engines; TensorRT-RTX runs dynamic-shape GEMMs with slower Ampere kernels on
         Hopper) or "tensorrt". Only with ``weights: inputs``; with ``weights: engine`` the engines
@@ -200,6 +205,7 @@ class CompileConfig:
     fp8_masters: str = "device"
     attention_kernel: str = "auto"
     fuse_mlp_gate: bool = True
+    linear_glue: bool = True
     range_linears: str = "torch"
     static_linears: str = "torch"
     share_engines: bool = True
@@ -255,6 +261,7 @@ class CompileConfig:
             "fp8_mlp",
             "fp8_inputs",
             "fuse_mlp_gate",
+            "linear_glue",
             "share_engines",
         )
         if not (isinstance(self.fp8_attention, bool) or self.fp8_attention == "auto"):

@@ -141,6 +141,7 @@ class Plan:
             dense_attention=attention if not joint else "sdpa",
             gelu_gate=gate and self.gelu_gate(shapes),
             linears_in_torch=self.linears_in_torch(shapes),
+            linear_glue=cfg.linear_glue,
         )
 
     def kept_ops(self, shapes: ShapeRange) -> set:

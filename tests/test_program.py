@@ -219,27 +219,29 @@ def test_a_program_with_the_fused_mlp_gate_matches_eager():
     assert ops["prx_compile.gelu_gate.default"] == make_prx().config.depth, ops
 
 
-def test_a_flux_fp8_program_with_shared_quantisations_round_trips():
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_a_flux_program_with_list_results_and_fused_glue_round_trips(precision):
     """FLUX.1 in fp8 (rule ``fp8_inputs``): each ``fp8_linears`` returns a list that ``getitem`` takes
-    apart in its PyTorch piece, as Torch-TensorRT leaves a getitem with the op it reads. The Program
-    and its JSON copy take both and compute the eager FP8 model's numbers (its CPU path: the
-    composition, exactly)."""
+    apart in its PyTorch piece, as Torch-TensorRT leaves a getitem with the op it reads; with its
+    linears in PyTorch (rule ``linear_glue``): ``linear_gelu`` and ``linear_cat``. The Program and
+    its JSON copy take them and compute the eager model's numbers (their CPU path: the composition)."""
     from prx_compile.export import example_inputs, weight_tensors
     from prx_compile.models import spec_for
-    from prx_compile.ops import FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS
+    from prx_compile.ops import FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS, LINEAR, LINEAR_CAT, LINEAR_GELU
     from prx_compile.quant import fp8
     from prx_compile.tools.testing import make_flux
 
     model = make_flux()
     spec = spec_for(model)
-    fp8.install(model, spec.block_linears)
+    if precision == "fp8":
+        fp8.install(model, spec.block_linears)
     kw = example_inputs(model, 2, 64, 1, 8)
     ep, names = export_step(model, kw, weights="inputs", fuse_attention=True)
-    lower(ep.graph_module, LoweringSettings())
+    lower(ep.graph_module, LoweringSettings(linears_in_torch=precision == "bf16"))
     gm = ep.module()
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
         gm.graph.erase_node(node)  # torch.export's input guards (not in what Torch-TensorRT partitions)
-    kept, ids, part = {FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS}, {}, 0
+    kept, ids, part = {FLUX_ATTENTION, FP8_LINEAR, FP8_LINEARS, LINEAR, LINEAR_CAT, LINEAR_GELU}, {}, 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in kept:
             part += 2
@@ -262,7 +264,12 @@ def test_a_flux_fp8_program_with_shared_quantisations_round_trips():
         sp, engines=set(engines), weight_names=names, params=weights, inputs=inputs
     )
     ops = prog.torch_ops()
-    assert ops["prx_compile.fp8_linears.default"] == 12 and ops["prx_compile.fp8_linear.default"] == 8, ops
+    if precision == "fp8":
+        assert ops["prx_compile.fp8_linears.default"] == 12, ops
+        assert ops["prx_compile.fp8_linear.default"] == 8, ops
+    else:  # per double block both feed-forwards' GELUs, per single block its MLP's; its proj_out
+        assert ops["prx_compile.linear_gelu.default"] == 2 * 2 + 2, ops
+        assert ops["prx_compile.linear_cat.default"] == 2, ops
     again = Program.from_json(
         json.loads(json.dumps(prog.to_json())),
         engines=set(engines),

@@ -8,7 +8,7 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 Two explicit lists say when they run:
 
 * ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_inputs, fp8_attention,
-  padded_attention, dense_attention, gelu_gate, linear):
+  padded_attention, dense_attention, gelu_gate, linear, linear_glue):
   ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
   TensorRT engine sets over a range);
 * ``ENGINE_RULES`` (shape_ints): on the graph Torch-TensorRT partitions, after its own
@@ -42,6 +42,7 @@ from . import (
     fp8_mlp,
     gelu_gate,
     linear,
+    linear_glue,
     padded_attention,
     select,
     shape_ints,
@@ -76,6 +77,9 @@ class LoweringSettings:
     gelu_gate: fuse each MLP gate ``gelu_tanh(linear(x, Wg)) * linear(x, Wu)`` into one
         ``gelu_gate`` op (a cuDNN GEMM with the activation in its epilogue).
     linears_in_torch: rewrite every ``aten.linear`` into ``prx_compile::linear`` (run by PyTorch).
+    linear_glue: with ``linears_in_torch``, a tanh GELU between two linears goes into the first's
+        epilogue (``linear_gelu``) and a linear over a two-part concatenation runs as two GEMMs
+        (``linear_cat``).
     """
 
     attention: str = "flash"
@@ -88,6 +92,7 @@ class LoweringSettings:
     dense_attention: str = "sdpa"
     gelu_gate: bool = False
     linears_in_torch: bool = False
+    linear_glue: bool = True
 
     def __post_init__(self):
         if self.attention not in ATTENTION_FORMS:
@@ -141,6 +146,7 @@ register_rule("padded_attention")(padded_attention.rule)
 register_rule("dense_attention")(dense_attention.rule)
 register_rule("gelu_gate")(gelu_gate.rule)
 register_rule("linear")(linear.rule)
+register_rule("linear_glue")(linear_glue.rule)  # after linear: it rewrites prx_compile::linear
 
 #: Rules for the graph Torch-TensorRT partitions into engines (after its decompositions), in order.
 ENGINE_RULES: dict[str, Rule] = {"shape_ints": shape_ints.rule}

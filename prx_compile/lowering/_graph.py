@@ -116,6 +116,59 @@ def replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:
     gm.graph.erase_node(old)
 
 
+def is_call(node: object, target: Any) -> bool:
+    """``node`` is an FX call of ``target``."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target == target
+
+
+def read_only_by(node: fx.Node, readers: list[fx.Node]) -> bool:
+    """Every user of ``node`` is one of ``readers``."""
+    return all(user in readers for user in node.users)
+
+
+def gelu_tanh_of(x: fx.Node, readers: list[fx.Node]) -> tuple[fx.Node, bool]:
+    """(p, True) where ``x`` is ``gelu(p, approximate="tanh")``, or an eval-mode dropout of it (an
+    identity: FLUX.1's feed-forward), every node on the way read only on the way to ``readers``;
+    else (x, False)."""
+    node, users = x, readers
+    if is_call(node, aten.dropout.default) and read_only_by(node, users):
+        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
+        if train is False:
+            node, users = node.args[0], [node]
+    if is_call(node, aten.gelu.default) and read_only_by(node, users):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if approximate == "tanh" and isinstance(node.args[0], fx.Node):
+            return node.args[0], True
+    return x, False
+
+
+def concatenated(x: fx.Node) -> list[fx.Node] | None:
+    """The two parts of ``x = cat([a, b], -1)`` (along the last dim, one dtype: ``cat`` promotes
+    mixed dtypes, a fused op would not); else None."""
+    if not is_call(x, aten.cat.default) or not isinstance(x.args[0], (list, tuple)) or len(x.args[0]) != 2:
+        return None
+    dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+    parts = list(x.args[0])
+    if not has_fake_values(x, *parts) or any(p.meta["val"].dtype != x.meta["val"].dtype for p in parts):
+        return None
+    return parts if dim in (-1, x.meta["val"].dim() - 1) else None
+
+
+FOLDED = (aten.cat.default, aten.dropout.default, aten.gelu.default)
+
+
+def erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` and, up its inputs, every concatenation, dropout and GELU a rule folded into
+    an op once nothing reads them: an eval dropout is impure to the dead-code pass (a random op), so
+    it would keep its GELU alive."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if not node.users and node.op == "call_function" and node.target in FOLDED:
+            stack.extend(node.all_input_nodes)
+            gm.graph.erase_node(node)
+
+
 def rewrite_calls(gm: fx.GraphModule, target: Any, rule: str, emit: Callable[[Emitter, fx.Node], Any]) -> int:
     """Replace each call of ``target`` by what ``emit(emitter, node)`` returns; a string return is the
     reason to leave that node as is (logged at debug level). Logs and returns how many were rewritten."""

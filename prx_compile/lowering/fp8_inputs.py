@@ -28,59 +28,30 @@ import torch
 import torch.fx as fx
 
 from ..ops import FP8_LINEAR, FP8_LINEARS
-from ._graph import Emitter, has_fake_values, replace
+from ._graph import (
+    Emitter,
+    concatenated,
+    erase_unused,
+    gelu_tanh_of,
+    has_fake_values,
+    is_call,
+    read_only_by,
+    replace,
+)
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-def _is(node: object, target: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target == target
-
-
-def _read_only_by(node: fx.Node, readers: list[fx.Node]) -> bool:
-    return all(user in readers for user in node.users)
-
-
-def _act(x: fx.Node, readers: list[fx.Node]) -> tuple[fx.Node, bool]:
-    """(p, True) where ``x`` is gelu_tanh(p), or an eval-mode dropout of it, every node on the way
-    read only on the way to ``readers``; else (x, False)."""
-    node, users = x, readers
-    if _is(node, aten.dropout.default) and _read_only_by(node, users):
-        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
-        if train is False:
-            node, users = node.args[0], [node]
-    if _is(node, aten.gelu.default) and _read_only_by(node, users):
-        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-        if approximate == "tanh" and isinstance(node.args[0], fx.Node):
-            return node.args[0], True
-    return x, False
-
-
 def _parts(x: fx.Node, readers: list[fx.Node]) -> list[tuple[fx.Node, bool]]:
     """What the quantising pass reads for ``x``: its two concatenated parts, or the input of its GELU,
     where only ``readers`` read ``x``; else x itself."""
-    if not _read_only_by(x, readers):
+    if not read_only_by(x, readers):
         return [(x, False)]
-    if _is(x, aten.cat.default) and isinstance(x.args[0], (list, tuple)) and len(x.args[0]) == 2:
-        dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
-        parts = x.args[0]
-        same = has_fake_values(*parts) and all(p.meta["val"].dtype == x.meta["val"].dtype for p in parts)
-        if same and dim in (-1, x.meta["val"].dim() - 1):  # (cat promotes mixed dtypes; the op does not)
-            return [_act(p, [x]) for p in parts]
-    return [_act(x, readers)]
-
-
-def _erase_folded(gm: fx.GraphModule, x: fx.Node) -> None:
-    """Erase ``x`` and the producers folded into the quantisation once nothing reads them: an eval
-    dropout is impure to the dead-code pass (a random op), so it would keep its GELU alive."""
-    stack = [x]
-    while stack:
-        node = stack.pop()
-        folded = (aten.cat.default, aten.dropout.default, aten.gelu.default)
-        if not node.users and node.op == "call_function" and node.target in folded:
-            stack.extend(node.all_input_nodes)
-            gm.graph.erase_node(node)
+    parts = concatenated(x)
+    if parts is not None:
+        return [gelu_tanh_of(p, [x]) for p in parts]
+    return [gelu_tanh_of(x, readers)]
 
 
 def _linear_args(node: fx.Node) -> tuple:
@@ -96,7 +67,7 @@ def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     groups: list[list[fx.Node]] = []  # runs of adjacent FP8 linears (no other between) over one x
     for node in gm.graph.nodes:
-        if _is(node, FP8_LINEAR) and has_fake_values(node.args[0], node):
+        if is_call(node, FP8_LINEAR) and has_fake_values(node.args[0], node):
             if groups and groups[-1][0].args[0] is node.args[0]:
                 groups[-1].append(node)
             else:
@@ -128,7 +99,7 @@ def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
         items = [em.call(operator.getitem, fused, j) for j in range(len(linears))]
         for lin, item in zip(linears, items, strict=True):
             replace(gm, lin, item)
-        _erase_folded(gm, x)
+        erase_unused(gm, x)
         count += 1
     if count:
         logger.info("fp8_inputs: rewrote %d group(s) of %s", count, FP8_LINEAR)

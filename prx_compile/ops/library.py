@@ -29,6 +29,10 @@
   attention, ``FusedFluxAttnProcessor``; rule ``lowering.dense_attention`` names the kernel).
 * ``torch.ops.prx_compile.flux_attention`` — FLUX's whole attention core from its projections'
   outputs: QK RMSNorm, text first, RoPE, dense attention on a named kernel (``FusedFluxAttnProcessor``).
+* ``torch.ops.prx_compile.linear_gelu`` — ``gelu_tanh(F.linear(x, W, b))`` as one GEMM with the
+  GELU in its epilogue; ``linear_cat`` — ``F.linear(cat([a, b], -1), W, b)`` as two GEMMs over W's
+  column blocks, the concatenation never written (FLUX.1's feed-forward and single-block output
+  projection where linears run in cuBLAS; rule ``lowering.linear_glue``).
 * ``torch.ops.prx_compile.gelu_gate`` — PRX's MLP gate ``gelu_tanh(x @ Wg.T) * up`` as one cuDNN GEMM
   with the activation in its epilogue (rule ``lowering.gelu_gate``, ``CompileConfig.fuse_mlp_gate``).
 
@@ -913,6 +917,67 @@ def _(x, gate_weight, up):
     return up.new_empty(up.shape)
 
 
+def _check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> int:
+    _expect(x.dim() >= 1 and weight.dim() == 2, f"{name} needs x (..., K) and weight (N, K)")
+    same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    _expect(x.is_floating_point() and same, f"{name}: x, weight and bias must share one floating dtype")
+    n, wk = weight.shape
+    _expect(wk == k, f"{name}: the input has {k} features, weight {wk}")
+    _expect(bias is None or tuple(bias.shape) == (n,), f"{name}: bias must have shape ({n},)")
+    return n
+
+
+@torch.library.custom_op(f"{_LIB}::linear_gelu", mutates_args=())
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``gelu(F.linear(x, weight, bias), approximate="tanh")``: (..., K) @ (N, K).T -> (..., N).
+
+    On CUDA with a bias, one cuBLASLt GEMM with bias and tanh GELU in its epilogue
+    (``torch._addmm_activation``, PyTorch's only call of that epilogue; on CUDA it is tanh GELU,
+    applied to the fp32 accumulator, so results differ from the composition by the last bit or so);
+    the GELU's output is never written before it. Elsewhere the composition (a CPU's
+    ``_addmm_activation`` computes erf GELU, so it is not used there).
+    """
+    n = _check_linear("linear_gelu", x, weight, bias, x.shape[-1] if x.dim() else 0)
+    if x.is_cuda and bias is not None and x.numel():
+        out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+        return out.view(*x.shape[:-1], n)
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+@linear_gelu.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{_LIB}::linear_cat", mutates_args=())
+def linear_cat(
+    a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(torch.cat([a, b], -1), weight, bias)``: (..., Ka), (..., Kb), (N, Ka + Kb) -> (..., N).
+
+    On CUDA two GEMMs, the second accumulating into the first's output (``addmm_`` over the weight's
+    two column blocks, read in place): the (..., Ka + Kb) concatenation is never written. The first
+    output is rounded to the dtype before the second adds to it (one rounding more than the
+    composition). Elsewhere the composition.
+    """
+    same = a.dim() >= 1 and b.dim() == a.dim() and a.shape[:-1] == b.shape[:-1]
+    _expect(same, f"linear_cat: a {tuple(a.shape)} and b {tuple(b.shape)} differ before their last dim")
+    _expect(b.dtype == a.dtype, f"linear_cat: a is {a.dtype}, b {b.dtype}")
+    ka, kb = a.shape[-1], b.shape[-1]
+    n = _check_linear("linear_cat", a, weight, bias, ka + kb)
+    if not (a.is_cuda and b.is_cuda and a.numel() and ka and kb):
+        return F.linear(torch.cat([a, b], -1), weight, bias)
+    a2, b2 = a.reshape(-1, ka), b.reshape(-1, kb)
+    out = F.linear(a2, weight[:, :ka], bias)
+    out.addmm_(b2, weight[:, ka:].t())
+    return out.view(*a.shape[:-1], n)
+
+
+@linear_cat.register_fake
+def _(a, b, weight, bias):
+    return a.new_empty((*a.shape[:-1], weight.shape[0]))
+
+
 ATTENTION_KERNELS = ("sdpa", "cudnn", "flash4")
 
 
@@ -1083,3 +1148,5 @@ FP8_LINEARS = declare(fp8_linears, "fp8")
 FP8_GATED_MLP = declare(fp8_gated_mlp, "fp8")
 LINEAR = declare(linear, "linear")
 GELU_GATE = declare(gelu_gate, "linear")
+LINEAR_GELU = declare(linear_gelu, "linear")
+LINEAR_CAT = declare(linear_cat, "linear")

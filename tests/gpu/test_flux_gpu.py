@@ -111,6 +111,33 @@ def test_fp8_inputs_quantised_once_between_the_engines():
     assert rel_err(outs[0], outs[1]) < 5e-3
 
 
+def test_linear_glue_takes_the_gelus_and_concatenations_into_the_gemms():
+    """Rule ``linear_glue`` (bf16, linears in cuBLAS): the feed-forwards' and single blocks' GELUs in
+    their GEMMs' epilogues, the single blocks' concatenation split over two GEMMs, fewer engine
+    calls, and the step the unfused one's within bf16 rounding; the ops against their compositions."""
+    kw = example_inputs(make_flux(SMALL_FLUX), 1, 256, 1, 64, dtype=torch.bfloat16, device="cuda")
+    outs, reports = [], []
+    for on in (True, False):
+        model = make_flux(SMALL_FLUX, dtype=torch.bfloat16, device="cuda")
+        ct = compile_transformer(model, linear_glue=on, **CONFIG)
+        outs.append(ct(**kw, return_dict=False)[0])
+        reports.append(ct.report())
+    on, off = reports
+    assert on["torch_ops"]["prx_compile.linear_gelu.default"] == 2 * 2 + 2, on["torch_ops"]
+    assert on["torch_ops"]["prx_compile.linear_cat.default"] == 2, on["torch_ops"]
+    assert "prx_compile.linear_cat.default" not in off["torch_ops"], off["torch_ops"]
+    assert on["engine_calls"] < off["engine_calls"], (on["engine_calls"], off["engine_calls"])
+    assert rel_err(outs[0], outs[1]) < 5e-3
+    x, a = (torch.randn(2, 300, k, device="cuda", dtype=torch.bfloat16) for k in (256, 128))
+    w = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    gelu = torch.ops.prx_compile.linear_gelu(x, w[:, :256], bias)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, w[:, :256], bias), approximate="tanh")
+    assert rel_err(gelu, ref) < 5e-3
+    split = torch.ops.prx_compile.linear_cat(x, a, w, bias)
+    assert rel_err(split, torch.nn.functional.linear(torch.cat([x, a], -1), w, bias)) < 5e-3
+
+
 def test_the_fused_attention_kernels_match_diffusers_processor():
     """``flux_attention`` on the GPU (the Triton norm/RoPE pass writing the attention's buffers, then
     each dense kernel) against diffusers' own processor, eager, bf16: a wrong offset, rounding or

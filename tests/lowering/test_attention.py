@@ -136,6 +136,7 @@ def test_rules_registry_is_ordered_and_documented():
         "dense_attention",
         "gelu_gate",
         "linear",
+        "linear_glue",
     ]
     for rule in RULES.values():
         assert rule.__doc__ and rule.__module__.startswith("prx_compile.lowering.")
