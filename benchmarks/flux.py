@@ -153,7 +153,7 @@ def main() -> None:
         default=["on"],
         choices=["on", "off"],
         help="the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations in "
-        "engines), one record each; the lora, pipeline, saveload and timeline parts take the first",
+        "engines), one record each; the lora, pipeline, saveload, profile and timeline parts take the first",
     )
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
@@ -229,7 +229,10 @@ def main() -> None:
         result["lora"] = lora_switch(compiled, model, kw)
         save()
     if "profile" in args.parts and cuda and ("bf16" in args.parts or "fp8" not in args.parts):
-        ct = compile_transformer(model, config="flux-1024-bf16", cuda_graphs=False, **overrides)
+        glue = args.linear_glue[0] == "on"
+        ct = compile_transformer(
+            model, config="flux-1024-bf16", cuda_graphs=False, linear_glue=glue, **overrides
+        )
         first_s = first_call(ct, kw)[1]
         result["profile_bf16"] = kernel_profile(ct, kw)
         r = ct.report()

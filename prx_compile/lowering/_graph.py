@@ -143,14 +143,17 @@ def gelu_tanh_of(x: fx.Node, readers: list[fx.Node]) -> tuple[fx.Node, bool]:
 
 
 def concatenated(x: fx.Node) -> list[fx.Node] | None:
-    """The two parts of ``x = cat([a, b], -1)`` (along the last dim, one dtype: ``cat`` promotes
-    mixed dtypes, a fused op would not); else None."""
+    """The two parts of ``x = cat([a, b], -1)`` (along the last dim, of x's rank and dtype: ``cat``
+    promotes mixed dtypes and skips an empty 1-D part, a fused op would not); else None."""
     if not is_call(x, aten.cat.default) or not isinstance(x.args[0], (list, tuple)) or len(x.args[0]) != 2:
         return None
     dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
     parts = list(x.args[0])
-    if not has_fake_values(x, *parts) or any(p.meta["val"].dtype != x.meta["val"].dtype for p in parts):
+    if not has_fake_values(x, *parts):
         return None
+    out = x.meta["val"]
+    if any(p.meta["val"].dtype != out.dtype or p.meta["val"].dim() != out.dim() for p in parts):
+        return None  # promoted dtypes, or a legacy empty 1-D part that cat skips
     return parts if dim in (-1, x.meta["val"].dim() - 1) else None
 
 

@@ -920,7 +920,12 @@ def _(x, gate_weight, up):
 def _check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> int:
     _expect(x.dim() >= 1 and weight.dim() == 2, f"{name} needs x (..., K) and weight (N, K)")
     same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-    _expect(x.is_floating_point() and same, f"{name}: x, weight and bias must share one floating dtype")
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    _expect(x.dtype in floats and same, f"{name}: x, weight and bias must share one of {floats}")
+    devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
+    _expect(
+        len(devices) == 1, f"{name}: x, weight and bias are on {sorted(map(str, devices))}, not one device"
+    )
     n, wk = weight.shape
     _expect(wk == k, f"{name}: the input has {k} features, weight {wk}")
     _expect(bias is None or tuple(bias.shape) == (n,), f"{name}: bias must have shape ({n},)")
@@ -931,11 +936,12 @@ def _check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``gelu(F.linear(x, weight, bias), approximate="tanh")``: (..., K) @ (N, K).T -> (..., N).
 
-    On CUDA with a bias, one cuBLASLt GEMM with bias and tanh GELU in its epilogue
-    (``torch._addmm_activation``, PyTorch's only call of that epilogue; on CUDA it is tanh GELU,
-    applied to the fp32 accumulator, so results differ from the composition by the last bit or so);
-    the GELU's output is never written before it. Elsewhere the composition (a CPU's
-    ``_addmm_activation`` computes erf GELU, so it is not used there).
+    On CUDA with a bias, ``torch._addmm_activation(..., use_gelu=True)``, PyTorch's one call of
+    cuBLASLt's bias + GELU epilogue: tanh GELU on the fp32 accumulator, the GELU's input never written
+    (results differ from the composition by the last bit or so). Where cuBLASLt cannot take it (a
+    non-contiguous bias, ``DISABLE_ADDMM_CUDA_LT=1``) PyTorch runs the GEMM and then a tanh GELU pass,
+    the composition. Elsewhere the composition (a CPU's ``_addmm_activation`` computes erf GELU, so
+    it is not used there).
     """
     n = _check_linear("linear_gelu", x, weight, bias, x.shape[-1] if x.dim() else 0)
     if x.is_cuda and bias is not None and x.numel():
@@ -963,6 +969,7 @@ def linear_cat(
     same = a.dim() >= 1 and b.dim() == a.dim() and a.shape[:-1] == b.shape[:-1]
     _expect(same, f"linear_cat: a {tuple(a.shape)} and b {tuple(b.shape)} differ before their last dim")
     _expect(b.dtype == a.dtype, f"linear_cat: a is {a.dtype}, b {b.dtype}")
+    _expect(b.device == a.device, f"linear_cat: a is on {a.device}, b on {b.device}")
     ka, kb = a.shape[-1], b.shape[-1]
     n = _check_linear("linear_cat", a, weight, bias, ka + kb)
     if not (a.is_cuda and b.is_cuda and a.numel() and ka and kb):

@@ -110,6 +110,41 @@ def test_other_patterns_are_left_alone(module, kept):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+class Chained(torch.nn.Module):
+    """Two eval dropouts after the GELU; then a linear over [x; GELU] whose own output has a GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.mid, self.down = lin(32, 32), lin(32, 64, seed=1), lin(16, 32, seed=2)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        h = self.drop(self.drop(F.gelu(self.up(x), approximate="tanh")))
+        return self.down(F.gelu(self.mid(torch.cat([x, h], -1)), approximate="tanh"))
+
+
+def test_chained_dropouts_go_and_a_split_linear_keeps_its_gelu():
+    out, ref, targets = lowered(Chained(), rand(2, 5, 32))
+    assert aten.dropout.default not in targets and aten.cat.default not in targets
+    # the first GELU goes into its GEMM; the middle linear splits its concatenation and keeps its GELU
+    assert targets.count(LINEAR_GELU) == 1 and targets.count(LINEAR_CAT) == 1 and aten.gelu.default in targets
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_a_concatenation_with_an_empty_legacy_part_is_left_alone():
+    class Empty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = lin(8, 32)
+
+        def forward(self, x):
+            return self.out(torch.cat([x.new_empty(0), x], -1))
+
+    out, ref, targets = lowered(Empty(), rand(2, 5, 32))
+    assert aten.cat.default in targets and LINEAR_CAT not in targets
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_the_switch_and_linears_left_to_tensorrt_leave_the_graph():
     for switches in (dict(linear_glue=False), dict(linears_in_torch=False)):
         out, ref, targets = lowered(Single(), rand(2, 5, 16), rand(2, 5, 32, seed=2), **switches)
@@ -119,6 +154,7 @@ def test_the_switch_and_linears_left_to_tensorrt_leave_the_graph():
 
 def test_the_ops_check_their_arguments_in_one_line():
     a, b, w, bias = rand(3, 16), rand(3, 8), rand(4, 24), rand(4)
+    w8 = w[:, :16].to(torch.float8_e4m3fn)
     ref = F.linear(torch.cat([a, b], -1), w, bias)
     torch.testing.assert_close(torch.ops.prx_compile.linear_cat(a, b, w, bias), ref, rtol=0, atol=0)
     torch.testing.assert_close(
@@ -132,8 +168,9 @@ def test_the_ops_check_their_arguments_in_one_line():
         (lambda: torch.ops.prx_compile.linear_cat(a, b.double(), w, bias), "a is torch.float32, b"),
         (lambda: torch.ops.prx_compile.linear_cat(a, b, w[:, :20], bias), "the input has 24 features"),
         (lambda: torch.ops.prx_compile.linear_cat(a, b, w, rand(3)), r"bias must have shape \(4,\)"),
-        (lambda: torch.ops.prx_compile.linear_gelu(a.int(), w[:, :16].int(), None), "one floating dtype"),
-        (lambda: torch.ops.prx_compile.linear_gelu(a, w[:, :16].double(), bias), "one floating dtype"),
+        (lambda: torch.ops.prx_compile.linear_gelu(a.int(), w[:, :16].int(), None), "must share one of"),
+        (lambda: torch.ops.prx_compile.linear_gelu(a, w[:, :16].double(), bias), "must share one of"),
+        (lambda: torch.ops.prx_compile.linear_gelu(a.to(torch.float8_e4m3fn), w8, None), "must share one of"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
