@@ -519,7 +519,8 @@ def rows_quant_fp8(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.T
     q, s = _quant_out(a.shape[0], ka + kb, a.device)
     bka, bkb = triton.next_power_of_2(ka), triton.next_power_of_2(kb) if kb else 0
     # widths measured at the step's shapes (``quant_kernels_v21_h200.json``): 4 warps up to 4096
-    # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360)
+    # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360); two parts: the same
+    # rule, not measured yet (``benchmarks/quant_kernels.py`` has their shapes)
     warps = 8 if bka + bkb > 4096 else 4
     kernel[(a.shape[0],)](
         a, b, q, s, ka, kb, a.stride(0), b.stride(0), gelu[0], gelu[-1], BKA=bka, BKB=bkb, num_warps=warps
