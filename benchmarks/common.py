@@ -20,6 +20,7 @@ from prx_compile.tools.bench import rel_err, time_back_to_back, time_cuda
 __all__ = [
     "first_call",
     "init_random_",
+    "kernel_ms",
     "kernel_profile",
     "memory_gb",
     "rel_err",
@@ -85,6 +86,21 @@ def speed(fn, kwargs: dict[str, Any], iters: int = 20, warmup: int = 3) -> dict[
 
 
 @torch.no_grad()
+def kernel_ms(fn, calls: int = 50, runs: int = 5) -> float:
+    """A kernel's time alone (CUDA): the least over ``runs`` of the mean ms per call of ``calls``
+    launches queued back to back between two CUDA events."""
+    best = float("inf")
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return round(best, 4)
+
+
 def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
     """Random non-degenerate weights, in place and on the model's device (a model made on the meta
     device and ``to_empty``'d): every 2-D weight ~ N(0, std) scaled by 1/sqrt(fan_in / 1024), biases

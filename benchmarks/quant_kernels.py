@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import kernel_ms  # noqa: E402
+
 from prx_compile.ops import kernels  # noqa: E402
 
 SHAPES = {  # (kind, rows, the parts' columns, GELU per part) each kernel meets in a step
@@ -35,20 +37,6 @@ SHAPES = {  # (kind, rows, the parts' columns, GELU per part) each kernel meets 
     "flux_row_gelu_12288": ("row", 4608, (12288,), (True,)),  # 0.30's feed-forward ff.net.2 input
     "flux_gelu_12288": ("gelu_mul", 4608, (12288,), (True,)),
 }
-
-
-def back_to_back(fn, calls: int = 50, runs: int = 5) -> float:
-    """The least over ``runs`` of the mean ms per call of ``calls`` launches queued back to back."""
-    best = float("inf")
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
 
 
 def main() -> None:
@@ -94,7 +82,7 @@ def main() -> None:
         for w in (2, 4, 8, 16, 32):
             try:
                 launch(w)
-                ms = back_to_back(lambda w=w: launch(w))
+                ms = kernel_ms(lambda w=w: launch(w))
             except Exception as e:  # noqa: BLE001 - a width the kernel cannot take (registers)
                 row["warps"][w] = str(e)[:120]
                 continue

@@ -22,21 +22,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import kernel_ms  # noqa: E402  (benchmarks/common.py)
 
 import prx_compile.ops  # noqa: E402,F401  (registers the ops)
-
-
-def timed(fn, calls: int = 50, runs: int = 5) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return round(best, 4)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,9 +48,9 @@ def gelu_case(m: int, k: int, n: int) -> dict:
         "rows": m,
         "k": k,
         "n": n,
-        "composed_ms": timed(composed),
-        "gemm_alone_ms": timed(lambda: F.linear(x, w, b)),
-        "linear_gelu_ms": timed(fused),
+        "composed_ms": kernel_ms(composed),
+        "gemm_alone_ms": kernel_ms(lambda: F.linear(x, w, b)),
+        "linear_gelu_ms": kernel_ms(fused),
         "rel_err": rel(fused(), composed()),
     }
 
@@ -82,9 +72,9 @@ def cat_case(m: int, ka: int, kb: int, n: int) -> dict:
         "rows": m,
         "k": [ka, kb],
         "n": n,
-        "composed_ms": timed(composed),
-        "gemm_alone_ms": timed(lambda: F.linear(x, w, b)),
-        "linear_cat_ms": timed(fused),
+        "composed_ms": kernel_ms(composed),
+        "gemm_alone_ms": kernel_ms(lambda: F.linear(x, w, b)),
+        "linear_cat_ms": kernel_ms(fused),
         "rel_err": rel(fused(), composed()),
     }
 

@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import kernel_ms  # noqa: E402  (benchmarks/common.py)
 
 CASES = {  # rows, K, the linears' N
     "flux_double_img_qkv": (4608, 3072, (3072, 3072, 3072)),
@@ -29,19 +35,6 @@ CASES = {  # rows, K, the linears' N
     "flux_single_qkv_mlp": (5120, 3072, (3072, 3072, 3072, 12288)),
     "pixel7b_gate_up": (8704, 3072, (12288, 12288)),
 }
-
-
-def timed(fn, calls: int = 50, runs: int = 5) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return round(best, 4)
 
 
 def row_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +53,9 @@ def measure(m: int, k: int, ns: tuple[int, ...]) -> dict:
         return [t.contiguous() for t in y.split(list(ns), -1)]
 
     row["bf16"] = {
-        "separate_ms": timed(lambda: [F.linear(x, w) for w in ws]),
-        "merged_strided_ms": timed(lambda: F.linear(x, merged)),
-        "merged_contiguous_ms": timed(lambda: split_out(F.linear(x, merged))),
+        "separate_ms": kernel_ms(lambda: [F.linear(x, w) for w in ws]),
+        "merged_strided_ms": kernel_ms(lambda: F.linear(x, merged)),
+        "merged_contiguous_ms": kernel_ms(lambda: split_out(F.linear(x, merged))),
     }
     q, s = row_quant(x)
     w8 = [row_quant(w) for w in ws]
@@ -74,9 +67,9 @@ def measure(m: int, k: int, ns: tuple[int, ...]) -> dict:
         )
 
     row["fp8"] = {
-        "separate_ms": timed(lambda: [mm(w, sc) for w, sc in w8]),
-        "merged_strided_ms": timed(lambda: mm(m8, ms)),
-        "merged_contiguous_ms": timed(lambda: split_out(mm(m8, ms))),
+        "separate_ms": kernel_ms(lambda: [mm(w, sc) for w, sc in w8]),
+        "merged_strided_ms": kernel_ms(lambda: mm(m8, ms)),
+        "merged_contiguous_ms": kernel_ms(lambda: split_out(mm(m8, ms))),
     }
     tflop = 2 * m * k * sum(ns) / 1e12
     for kind in ("bf16", "fp8"):
