@@ -148,6 +148,14 @@ def main() -> None:
         "one record each for every --fp8-masters; the timeline and profile take the first",
     )
     ap.add_argument(
+        "--fp8-norm",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="the fp8 part's fp8_norm settings (off: 0.30's graph, the modulated norms written by "
+        "engines), one record each for every --fp8-masters and --fp8-inputs; the timeline takes the first",
+    )
+    ap.add_argument(
         "--linear-glue",
         nargs="+",
         default=["on"],
@@ -275,22 +283,30 @@ def main() -> None:
     if "pipeline" in result:
         for v in result["pipeline"].values():
             v.pop("latents", None)
-    variants = [(m, i) for m in args.fp8_masters for i in args.fp8_inputs] if "fp8" in args.parts else []
-    for n, (masters, inputs) in enumerate(variants):
+    variants = (
+        [(m, i, nm) for m in args.fp8_masters for i in args.fp8_inputs for nm in args.fp8_norm]
+        if "fp8" in args.parts
+        else []
+    )
+    for n, (masters, inputs, norm) in enumerate(variants):
         compiled = None
         free()
         m, base_gb = model_copy(model)
         label = "compile_transformer[flux-1024-fp8]" + (
             "" if masters == "device" else f" fp8_masters={masters}"
         )
-        label += "" if inputs == "on" else " fp8_inputs=off"
-        fp8 = dict(fp8_masters=masters, fp8_inputs=inputs == "on")
+        label += ("" if inputs == "on" else " fp8_inputs=off") + ("" if norm == "on" else " fp8_norm=off")
+        fp8 = dict(fp8_masters=masters, fp8_inputs=inputs == "on", fp8_norm=norm == "on")
         ours = compile_transformer(m, config="flux-1024-fp8", **fp8, **overrides)
         records.append(record(label, ours, kw, ref_out, base_gb, args.iters))
         records[-1]["report"] = {k: ours.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
         save()
         if "fp8_lora" in args.parts:
-            key = f"lora_fp8_{masters}" + ("" if inputs == "on" else "_inputs_off")
+            key = (
+                f"lora_fp8_{masters}"
+                + ("" if inputs == "on" else "_inputs_off")
+                + ("" if norm == "on" else "_norm_off")
+            )
             result[key] = lora_switch(ours, m, kw)
             save()
         if "timeline" in args.parts and n == 0:

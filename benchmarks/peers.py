@@ -19,7 +19,8 @@ ms/step and the error against bf16 eager. Parts (each path appended in this orde
          ``prx-1024-fp8`` preset (``fp8_attention: auto``: our FP8 attention in each tiling and the
          bf16 kernels measured, the fastest runs); with ``--ablations`` also the preset with
          ``fp8_attention: true`` and with ``false``; with ``--fp8-masters host`` also the preset
-         with its exact weights in pinned host memory (device memory in ``extra``)
+         with its exact weights in pinned host memory (device memory in ``extra``); with
+         ``--fp8-norm-off`` also the preset with ``fp8_norm: false``
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for (``profile`` alone: eager's rows only, and
@@ -102,7 +103,13 @@ def checked_first(factory):
     return make
 
 
-def paths(parts: list[str], ablations: bool, pixel: bool = False, masters: tuple[str, ...] = ()) -> dict:
+def paths(
+    parts: list[str],
+    ablations: bool,
+    pixel: bool = False,
+    masters: tuple[str, ...] = (),
+    norm_off: bool = False,
+) -> dict:
     out: dict = {"eager": lambda m: m}
     bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else (None, "prx-1024-fp8")
     if "bf16" in parts:
@@ -119,6 +126,8 @@ def paths(parts: list[str], ablations: bool, pixel: bool = False, masters: tuple
         out[f"compile_prx[{fp8}]"] = compile_path(fp8)
         for where in masters:
             out[f"compile_prx[{fp8}, fp8_masters: {where}]"] = compile_path(fp8, fp8_masters=where)
+        if norm_off:
+            out[f"compile_prx[{fp8}, fp8_norm: false]"] = compile_path(fp8, fp8_norm=False)
         if ablations:
             out[f"compile_prx[{fp8}, fp8_attention: true]"] = compile_path(fp8, fp8_attention=True)
             out[f"compile_prx[{fp8}, fp8_attention: false]"] = compile_path(fp8, fp8_attention=False)
@@ -143,6 +152,11 @@ def main() -> None:
         "--fp8-masters", nargs="*", default=[], choices=["host"], help="fp8: also the preset with these"
     )
     ap.add_argument(
+        "--fp8-norm-off",
+        action="store_true",
+        help="fp8: also the preset with fp8_norm: false (0.30: the modulated norms written by engines)",
+    )
+    ap.add_argument(
         "--reference-fp32",
         action="store_true",
         help="also each output's error against an fp32 copy of the model (extra.rel_err_fp32)",
@@ -153,7 +167,7 @@ def main() -> None:
     shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
     res = run_bench(
         shapes,
-        paths(args.parts, args.ablations, pixel, tuple(args.fp8_masters)),
+        paths(args.parts, args.ablations, pixel, tuple(args.fp8_masters), args.fp8_norm_off),
         model=model,
         out_json=args.out,
         reference_fp32=args.reference_fp32,

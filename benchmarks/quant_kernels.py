@@ -6,7 +6,8 @@ At the shapes the 7B PRX (1024² b2: 8704 rows; hidden 3072, MLP 12288) and FLUX
 4608 rows; hidden 3072, single-block MLP input 15360) run them: ``row_quant_fp8`` (a row of bf16 ->
 e4m3 and its scale), ``rows_quant_fp8`` with GELUs and a concatenation in the same pass (0.30: FLUX's
 feed-forward input GELU(h) and its single blocks' [attention; GELU(mlp)], read from the producers'
-outputs) and ``gelu_mul_quant_fp8`` (GELU(gate) * up -> e4m3), each with the warps the library
+outputs; 0.31: a block's modulated layer norm, ``norm``) and ``gelu_mul_quant_fp8`` (GELU(gate) * up
+-> e4m3), each with the warps the library
 launches and with the others, timed back to back (50 launches between two CUDA events, the
 least of 5 such runs): ms per call and GB/s of the bytes each must move (read once, write once).
 The shipped call's output is compared with the torch composition (``scale_err``: the scales' largest
@@ -28,14 +29,16 @@ from common import kernel_ms  # noqa: E402
 
 from prx_compile.ops import kernels  # noqa: E402
 
-SHAPES = {  # (kind, rows, the parts' columns, GELU per part) each kernel meets in a step
-    "pixel7b_row_3072": ("row", 8704, (3072,), (False,)),
-    "pixel7b_gelu_12288": ("gelu_mul", 8704, (12288,), (True,)),
-    "flux_row_3072": ("row", 4608, (3072,), (False,)),
-    "flux_row_15360": ("row", 4608, (15360,), (False,)),  # 0.29's single-block proj_out input
-    "flux_rows_3072_gelu_12288": ("row", 4608, (3072, 12288), (False, True)),  # 0.30's
-    "flux_row_gelu_12288": ("row", 4608, (12288,), (True,)),  # 0.30's feed-forward ff.net.2 input
-    "flux_gelu_12288": ("gelu_mul", 4608, (12288,), (True,)),
+SHAPES = {  # (kind, rows, the parts' columns, GELU per part, batch) each kernel meets in a step
+    "pixel7b_row_3072": ("row", 8704, (3072,), (False,), 1),
+    "pixel7b_norm_3072": ("norm", 8192, (3072,), (False,), 2),  # 0.31: q/k/v's and the MLP's input
+    "pixel7b_gelu_12288": ("gelu_mul", 8704, (12288,), (True,), 1),
+    "flux_row_3072": ("row", 4608, (3072,), (False,), 1),
+    "flux_norm_3072": ("norm", 4096, (3072,), (False,), 1),  # 0.31: a double block's image norms
+    "flux_row_15360": ("row", 4608, (15360,), (False,), 1),  # 0.29's single-block proj_out input
+    "flux_rows_3072_gelu_12288": ("row", 4608, (3072, 12288), (False, True), 1),  # 0.30's
+    "flux_row_gelu_12288": ("row", 4608, (12288,), (True,), 1),  # 0.30's feed-forward ff.net.2 input
+    "flux_gelu_12288": ("gelu_mul", 4608, (12288,), (True,), 1),
 }
 
 
@@ -46,26 +49,43 @@ def main() -> None:
     row_quant, gelu_mul_quant, triton = kernels._row_quant_kernel()
     out: dict = {"what": " ".join(__doc__.split("\n\n")[2].split()), "shapes": {}}
     torch.manual_seed(0)
-    for name, (kind, m, widths, gelu) in SHAPES.items():
+    for name, (kind, m, widths, gelu, batch) in SHAPES.items():
         k = sum(widths)
         parts = [torch.randn(m, w, device="cuda", dtype=torch.bfloat16) for w in widths]
         u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
         s = torch.empty(m, 1, device="cuda", dtype=torch.float32)
-        if kind == "row":
-            ref_q, ref_s = kernels.rows_quant_fp8_torch(parts, list(gelu))
+        if kind in ("row", "norm"):
+            norm = None
+            if kind == "norm":  # 1 + scale and shift, one row per batch
+                mult, shift = (torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                norm = (1 + mult, shift, 1e-6)
+            ref_q, ref_s = kernels.rows_quant_fp8_torch(parts, list(gelu), norm)
             moved = m * k * 2 + m * k + m * 4
             a, b = parts[0], parts[-1]
             kb = widths[1] if len(widths) == 2 else 0
             bka, bkb = triton.next_power_of_2(widths[0]), triton.next_power_of_2(kb) if kb else 0
+            mm, ms_, eps = norm if norm is not None else (a, a, 0.0)
 
-            def launch(w, a=a, b=b, q=q, s=s, m=m, kb=kb, bka=bka, bkb=bkb, gelu=gelu):
+            def launch(
+                w,
+                a=a,
+                b=b,
+                q=q,
+                s=s,
+                m=m,
+                kb=kb,
+                bka=bka,
+                bkb=bkb,
+                gelu=gelu,
+                n=(mm, ms_, eps, batch, norm is not None),
+            ):
                 row_quant[(m,)](
-                    a, b, q, s, a.shape[1], kb, a.stride(0), b.stride(0), gelu[0], gelu[-1],
-                    BKA=bka, BKB=bkb, num_warps=w,
+                    a, b, q, s, n[0], n[1], a.shape[1], kb, a.stride(0), b.stride(0), m // n[3], n[2],
+                    gelu[0], gelu[-1], n[4], BKA=bka, BKB=bkb, num_warps=w,
                 )  # fmt: skip
 
-            shipped = kernels.rows_quant_fp8(parts, list(gelu))
+            shipped = kernels.rows_quant_fp8(parts, list(gelu), norm)
         else:
             x, bk = parts[0], triton.next_power_of_2(k)
             ref_q, ref_s = kernels.gelu_mul_quant_fp8_torch(x, u)

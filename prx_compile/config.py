@@ -62,6 +62,7 @@ ENGINE_KEYS = (
     "select_as_slice",
     "fp8_mlp",
     "fp8_inputs",
+    "fp8_norm",
     "fp8_attention",
     "attention_kernel",
     "fuse_mlp_gate",
@@ -117,6 +118,9 @@ class CompileConfig:
         concatenation or tanh GELU that makes it runs in that quantising pass (one ``fp8_linears``
         op; FLUX.1's q/k/v projections, its feed-forward's second linear, its single blocks' output
         projection) instead of a quantisation per linear and an engine writing the bf16 input.
+    fp8_norm: with ``precision: fp8``, an FP8 input made by a modulated layer norm (``norm(x) * (1 +
+        scale) + shift``: PRX's and FLUX.1's blocks) is made in the quantising pass that reads it,
+        instead of by an engine writing it in bf16.
     fp8_attention: with ``precision: fp8`` and ``attention: fused``, whether PRX's joint attention may
         run on FP8 tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one
         scale per block of tokens and head, computed on the device; with the ``cudnn`` extra also
@@ -201,6 +205,7 @@ class CompileConfig:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_inputs: bool = True
+    fp8_norm: bool = True
     fp8_attention: bool | str = "auto"
     fp8_masters: str = "device"
     attention_kernel: str = "auto"
@@ -260,6 +265,7 @@ class CompileConfig:
             "select_as_slice",
             "fp8_mlp",
             "fp8_inputs",
+            "fp8_norm",
             "fuse_mlp_gate",
             "linear_glue",
             "share_engines",

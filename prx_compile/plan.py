@@ -135,6 +135,7 @@ class Plan:
             select_as_slice=cfg.select_as_slice,
             fp8_mlp=cfg.fp8_mlp,
             fp8_inputs=cfg.fp8_inputs,
+            fp8_norm=cfg.fp8_norm,
             fp8_attention=joint and attention.startswith("fp8/"),
             fp8_tile=int(attention[4:]) if joint and attention.startswith("fp8/") else 0,
             padded_attention=attention if joint and attention in ("flash4", "cudnn", "cudnn_fp8") else None,

@@ -278,26 +278,37 @@ def test_fp8_quantises_every_block_linear_and_stays_close():
     assert 0 < err < 0.05 and math.isfinite(err)
 
 
-def test_fp8_inputs_are_quantised_once_with_their_gelu_and_concatenation():
-    """Rule ``fp8_inputs`` on FLUX.1: per double block the image and text q/k/v projections share
-    one quantisation each and both feed-forwards' second linears take their GELU into it; per single
-    block the q/k/v and MLP projections share one, and ``proj_out`` takes the concatenation and the
-    MLP's GELU. On a CPU the step equals the unfused one bit for bit."""
+def test_fp8_inputs_are_quantised_once_with_their_norm_gelu_and_concatenation():
+    """Rules ``fp8_inputs`` and ``fp8_norm`` on FLUX.1: per double block the image and text q/k/v
+    projections share one quantisation each and both feed-forwards' second linears take their GELU
+    into it; per single block the q/k/v and MLP projections share one, and ``proj_out`` takes the
+    concatenation and the MLP's GELU. Each modulated norm (both q/k/v groups, both feed-forwards'
+    first linears, a single block's group) runs in its quantisation. On a CPU the step equals the
+    unfused one bit for bit."""
     model = make_flux()
     kw = flux_inputs(model)
     outs, ops = [], []
-    for on in (True, False):
+    for inputs, norm in ((True, True), (True, False), (False, False)):
         ct = compile_transformer(
-            model, backend="eager", device="cpu", static=True, precision="fp8", fp8_inputs=on, **SMALL
+            model,
+            backend="eager",
+            device="cpu",
+            static=True,
+            precision="fp8",
+            fp8_inputs=inputs,
+            fp8_norm=norm,
+            **SMALL,
         )
         outs.append(ct(**kw, return_dict=False)[0])
         ops.append(ct.report()["torch_ops"])
     double, single = TINY_FLUX["num_layers"], TINY_FLUX["num_single_layers"]
-    assert ops[0]["prx_compile.fp8_linears.default"] == 4 * double + 2 * single
-    assert ops[0]["prx_compile.fp8_linear.default"] == 4 * double  # to_out, to_add_out, both MLPs' first
-    assert ops[1]["prx_compile.fp8_linear.default"] == 12 * double + 5 * single
-    assert "prx_compile.fp8_linears.default" not in ops[1]
-    assert torch.equal(outs[0], outs[1])
+    assert ops[0]["prx_compile.fp8_linears.default"] == 6 * double + 2 * single
+    assert ops[0]["prx_compile.fp8_linear.default"] == 2 * double  # to_out, to_add_out
+    assert ops[1]["prx_compile.fp8_linears.default"] == 4 * double + 2 * single
+    assert ops[1]["prx_compile.fp8_linear.default"] == 4 * double  # to_out, to_add_out, both MLPs' first
+    assert ops[2]["prx_compile.fp8_linear.default"] == 12 * double + 5 * single
+    assert "prx_compile.fp8_linears.default" not in ops[2]
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
 
 def test_the_flux_pipeline_runs_the_compiled_transformer_and_makes_eagers_latents():
@@ -425,7 +436,7 @@ def test_a_lowered_and_decomposed_flux_export_copies_both_block_lists(precision)
 
     assert ops(once) == ops(full)
     if precision == "fp8":
-        assert ops(once)["prx_compile.fp8_linears.default"] == 4 * 3 + 2 * 4
+        assert ops(once)["prx_compile.fp8_linears.default"] == 6 * 3 + 2 * 4
     weights = [weight_tensors(model)[n] for n in names]
     with torch.no_grad():
         got = once.module()(**kw, weights=weights)

@@ -98,18 +98,40 @@ def quant_kernels_check() -> None:
     a, b = (torch.randn(6, 80, generator=g).to(torch.bfloat16) * 3 for _ in range(2))
     a[2, 5] = float("nan")
     c = (torch.randn(6, 48, generator=g) * 3).to(torch.bfloat16)
+    mult, shift = (torch.randn(2, 80, generator=g).to(torch.bfloat16) for _ in range(2))
     gelu = torch.nn.functional.gelu
+
+    def one(a, c, ka, kb, gelu_a, gelu_b, bkb, norm=False):  # the kernel's arguments, as the host passes them
+        return lambda q, s: row_quant[(6,)](
+            a,
+            c,
+            q,
+            s,
+            mult,
+            shift,
+            ka,
+            kb,
+            a.stride(0),
+            c.stride(0),
+            3,
+            1e-6,
+            gelu_a,
+            gelu_b,
+            norm,
+            BKA=128,
+            BKB=bkb,
+        )
+
     for launch, value in (
-        (lambda q, s: row_quant[(6,)](a, a, q, s, 80, 0, a.stride(0), 0, False, False, BKA=128, BKB=0), a),
+        (one(a, a, 80, 0, False, False, 0), a),
         (  # two parts, the second through GELU (a FLUX single block's cat([attention, gelu(mlp)]))
-            lambda q, s: row_quant[(6,)](
-                a, c, q, s, 80, 48, a.stride(0), c.stride(0), False, True, BKA=128, BKB=64
-            ),
+            one(a, c, 80, 48, False, True, 64),
             torch.cat([a, gelu(c, approximate="tanh")], -1),
         ),
-        (  # one part through GELU (FLUX's feed-forward)
-            lambda q, s: row_quant[(6,)](a, a, q, s, 80, 0, a.stride(0), 0, True, False, BKA=128, BKB=0),
-            gelu(a, approximate="tanh"),
+        (one(a, a, 80, 0, True, False, 0), gelu(a, approximate="tanh")),  # FLUX's feed-forward
+        (  # a modulated norm, 3 rows per batch (a block's norm(x) * (1 + scale) + shift)
+            one(a, a, 80, 0, False, False, 0, norm=True),
+            kernels._modulated_norm(a, (mult, shift, 1e-6)),
         ),
         (
             lambda q, s: gelu_mul_quant[(6,)](a, b, q, s, 80, a.stride(0), b.stride(0), BK=128),
@@ -125,10 +147,17 @@ def quant_kernels_check() -> None:
         assert q[rows].abs().max() <= 448 and not q[rows].isnan().any() and q[2].isnan().any()  # NaN kept
     # the host code (block widths, warps, flags) as the op calls it, the kernel taken as on a GPU
     kernels._use_triton = lambda *xs: True
-    for widths, flags in (((80,), (True,)), ((80, 48), (False, True)), ((5, 300), (True, False))):
+    per_row = (torch.randn(7, 80, generator=g), torch.randn(7, 80, generator=g), 1e-5)  # batches of one row
+    for widths, flags, norm in (
+        ((80,), (True,), None),
+        ((80, 48), (False, True), None),
+        ((5, 300), (True, False), None),
+        ((80,), (False,), per_row),
+        ((80,), (False,), (per_row[0][:1], per_row[1][:1], 0.0)),  # one batch of 7 rows
+    ):
         parts = [torch.randn(7, k, generator=g) * 3 for k in widths]
-        q, s = kernels.rows_quant_fp8(parts, list(flags))
-        q_ref, s_ref = kernels.rows_quant_fp8_torch(parts, list(flags))
+        q, s = kernels.rows_quant_fp8(parts, list(flags), norm)
+        q_ref, s_ref = kernels.rows_quant_fp8_torch(parts, list(flags), norm)
         torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)  # each row's largest |value|: GELUs, widths
         # the interpreter's cast to e4m3 is not the GPU's (about 3 % of codes land an octave off)
         assert q.shape == q_ref.shape and (q.float() == q_ref.float()).float().mean() > 0.9
@@ -159,11 +188,38 @@ def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(ba
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
     assert 0 < rel_err(out, full) < 2e-2
     ops, depth = ct.report()["torch_ops"], len(model.blocks)
-    # unfused, the MLP's gate and up read one x: one fp8_linears quantises it once (rule fp8_inputs)
-    assert ops["prx_compile.fp8_linear.default"] == (3 if fp8_mlp else 4) * depth
+    # the modulated norms before q/k/v and the MLP run in their quantisation (rule fp8_norm): q/k/v
+    # becomes an fp8_linears; unfused, the MLP's gate and up share one too (rule fp8_inputs)
+    assert ops["prx_compile.fp8_linear.default"] == (2 if fp8_mlp else 3) * depth  # text k/v, out(, down)
     assert ops.get("prx_compile.fp8_gated_mlp.default", 0) == (depth if fp8_mlp else 0)
-    assert ops.get("prx_compile.fp8_linears.default", 0) == (0 if fp8_mlp else depth)
+    assert ops.get("prx_compile.fp8_linears.default", 0) == (1 if fp8_mlp else 2) * depth
     assert "prx_compile.prx_attention_fp8.default" not in ops
+
+
+@pytest.mark.parametrize("pixel", [False, True])
+def test_the_blocks_modulated_norms_run_in_the_quantisation_bit_for_bit(pixel):
+    """Rule ``fp8_norm`` on PRX and a tiny PRXPixel: the norm before q/k/v and the one before the
+    MLP run in the quantising pass of the op that reads them; on a CPU the step is the same."""
+    from prx_compile.tools.testing import TINY_PIXEL_PRX
+
+    model = make_prx(TINY_PIXEL_PRX if pixel else None)
+    kw = prx_inputs(model, h=32 if pixel else 16, w=32 if pixel else 16)
+    cfg = dict(RANGE, resolution=32 if pixel else 16)
+    outs, ops = [], []
+    for on in (True, False):
+        ct = compile_prx(model, backend="eager", precision="fp8", fp8_norm=on, fp8_attention=False, **cfg)
+        outs.append(ct(**kw, return_dict=False)[0])
+        ops.append(ct.report()["torch_ops"])
+    depth = len(model.blocks)
+    assert (
+        ops[0]["prx_compile.fp8_linears.default"] == depth
+        and ops[0]["prx_compile.fp8_linear.default"] == 2 * depth
+    )
+    assert (
+        "prx_compile.fp8_linears.default" not in ops[1]
+        and ops[1]["prx_compile.fp8_linear.default"] == 3 * depth
+    )
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_fp8_attention_runs_every_block_attention_in_fp8_within_the_error_goal():

@@ -7,7 +7,7 @@ code of the unfused ops per element (its Triton GELU rounds like torch's, from a
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 
-* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_inputs, fp8_attention,
+* ``RULES`` (unfold, fold, attention, select, fp8_mlp, fp8_inputs, fp8_norm, fp8_attention,
   padded_attention, dense_attention, gelu_gate, linear, linear_glue):
   ``lower(gm, settings)``, on the exported graph, before any backend sees it (``linear`` only for
   TensorRT engine sets over a range);
@@ -40,6 +40,7 @@ from . import (
     fp8_attention,
     fp8_inputs,
     fp8_mlp,
+    fp8_norm,
     gelu_gate,
     linear,
     linear_glue,
@@ -68,6 +69,8 @@ class LoweringSettings:
     fp8_mlp: fuse a gated MLP over three FP8 linears into one ``fp8_gated_mlp`` op.
     fp8_inputs: FP8 linears reading one input quantise it once, the concatenation or GELU that makes
         it fused into that pass (one ``fp8_linears`` op).
+    fp8_norm: an FP8 op's input made by a modulated layer norm (``norm(x) * (1 + scale) + shift``)
+        is made in its quantising pass (``norm_*`` arguments of ``fp8_linears``/``fp8_gated_mlp``).
     fp8_attention: run each ``prx_attention`` as ``prx_attention_fp8`` (attention on FP8 tensor cores).
     fp8_tile: the FP8 kernels' tiling, an index into ``ops.fp8_attention.TILES``.
     padded_attention: run each ``prx_attention`` left as one attention call over a key-padding
@@ -86,6 +89,7 @@ class LoweringSettings:
     select_as_slice: bool = True
     fp8_mlp: bool = True
     fp8_inputs: bool = True
+    fp8_norm: bool = True
     fp8_attention: bool = False
     fp8_tile: int = 0
     padded_attention: str | None = None
@@ -141,6 +145,7 @@ register_rule("attention")(attention.rule)
 register_rule("select")(select.rule)
 register_rule("fp8_mlp")(fp8_mlp.rule)
 register_rule("fp8_inputs")(fp8_inputs.rule)  # after fp8_mlp: PRX's gate and up read one x too
+register_rule("fp8_norm")(fp8_norm.rule)  # after fp8_inputs: it takes a norm into their groups
 register_rule("fp8_attention")(fp8_attention.rule)
 register_rule("padded_attention")(padded_attention.rule)
 register_rule("dense_attention")(dense_attention.rule)

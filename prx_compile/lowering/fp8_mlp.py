@@ -8,7 +8,7 @@ GELU, product and the next quantisation in one pass. The whole MLP then stays in
 engine that held GELU * up between two FP8 GEMMs is gone (one engine fewer per block).
 Exact on a CPU (the op is the composition); on CUDA the one-pass GELU may round an element of the
 product across an FP8 code boundary (relative error 1e-5 on an MLP at PRX width, measured).
-The replaced nodes are left unused, for ``lower``'s dead-code pass.
+The replaced nodes are erased (later rules ask who reads ``x``).
 Switch: ``LoweringSettings.fp8_mlp``.
 """
 
@@ -44,7 +44,7 @@ def _gelu_tanh_input(node: object, user: fx.Node) -> object:
     return node.args[0] if approximate == "tanh" else None
 
 
-def _emit(em: Emitter, down: fx.Node) -> fx.Node | str:
+def _emit(em: Emitter, down: fx.Node, folded: list[fx.Node]) -> fx.Node | str:
     hidden, wd, sd, *bias = down.args
     if bias and bias[0] is not None or down.kwargs.get("bias") is not None:
         return "down projection has a bias"
@@ -54,7 +54,7 @@ def _emit(em: Emitter, down: fx.Node) -> fx.Node | str:
         gate_out = _gelu_tanh_input(act, hidden)
         gate, up_ = _linear(gate_out, act), _linear(up, hidden)
         if gate is not None and up_ is not None and gate[0] is up_[0]:
-            # the product, GELU and the two linears are left unused: ``lower`` removes them
+            folded += [hidden, act, gate_out, up]  # in the order they become unused
             return em.call(FP8_GATED_MLP, gate[0], gate[1], gate[2], up_[1], up_[2], wd, sd)
     return "not gelu_tanh(fp8_linear(x)) * fp8_linear(x) over one x"
 
@@ -62,5 +62,8 @@ def _emit(em: Emitter, down: fx.Node) -> fx.Node | str:
 def rule(gm: fx.GraphModule, settings) -> fx.GraphModule:
     """Fuse gated FP8 MLPs into ``fp8_gated_mlp`` (switch: ``fp8_mlp``)."""
     if getattr(settings, "fp8_mlp", True):
-        rewrite_calls(gm, FP8_LINEAR, "fp8_mlp", _emit)
+        folded: list[fx.Node] = []
+        rewrite_calls(gm, FP8_LINEAR, "fp8_mlp", lambda em, down: _emit(em, down, folded))
+        for node in folded:  # erased now, so that the next rules see x read by the op alone
+            gm.graph.erase_node(node)
     return gm

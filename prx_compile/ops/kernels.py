@@ -15,6 +15,8 @@ triton ships with CUDA builds of torch; it is imported only when a kernel first 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -406,23 +408,40 @@ def _row_quant_kernel():
         b,
         q,
         s,
+        mult,
+        shift,
         KA,
         KB,
         stride_a,
         stride_b,
+        L,
+        eps,
         GELU_A: tl.constexpr,
         GELU_B: tl.constexpr,
+        NORM: tl.constexpr,
         BKA: tl.constexpr,
         BKB: tl.constexpr,
     ):
         """One row of cat([a or gelu_tanh(a), b or gelu_tanh(b)], -1) (BKB == 0: a alone) -> e4m3
         codes and the row's scale. A GELU is rounded to the input dtype, as torch's gelu writes it:
-        x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)). Helpers are written out: the CPU
-        interpreter does not resolve a nested jit function."""
+        x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)). NORM (a alone): the row is first
+        layer_norm(a, eps) * mult[row // L] + shift[row // L], mult and shift (B, KA) contiguous,
+        each of the three rounded to the input dtype as torch's ops write them. Helpers are written
+        out: the CPU interpreter does not resolve a nested jit function."""
         row = tl.program_id(0)
         ca = tl.arange(0, BKA)
         xa = tl.load(a + row * stride_a + ca, mask=ca < KA, other=0.0)
         va = xa.to(tl.float32)
+        if NORM:
+            mean = tl.sum(va, axis=0) / KA
+            centred = tl.where(ca < KA, va - mean, 0.0)
+            rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / KA + eps)
+            va = (centred * rstd).to(xa.dtype).to(tl.float32)
+            batch = row // L
+            m = tl.load(mult + batch * KA + ca, mask=ca < KA, other=0.0).to(tl.float32)
+            va = (va * m).to(xa.dtype).to(tl.float32)
+            sh = tl.load(shift + batch * KA + ca, mask=ca < KA, other=0.0).to(tl.float32)
+            va = (va + sh).to(xa.dtype).to(tl.float32)
         if GELU_A:
             va = va * tl.sigmoid(1.5957691216057308 * (va + 0.044715 * va * va * va))
             va = va.to(xa.dtype).to(tl.float32)
@@ -488,16 +507,65 @@ def row_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows_quant_fp8([x], [False])
 
 
-def rows_quant_fp8_torch(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K_i) parts -> ``row_quant_fp8_torch(cat([gelu_tanh(p) if g else p], -1))``."""
+#: the layer norm and modulation a quantising pass may run first: (mult, shift, eps), mult and
+#: shift (B, K) for (M, K) rows, M = B * L: row i becomes layer_norm(row, eps) * mult[i // L] +
+#: shift[i // L] (diffusers' ``norm(x) * (1 + scale) + shift``, the ``1 + scale`` already made)
+Norm = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _modulated_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """(M, K) rows -> layer_norm(x, eps) * mult + shift, per batch of M // B rows, in torch ops."""
+    mult, shift, eps = norm
+    (m, k), b = x.shape, mult.shape[0]
+    y = F.layer_norm(x, (k,), eps=eps).view(b, m // b, k)
+    return (y * mult.reshape(b, 1, k) + shift.reshape(b, 1, k)).view(m, k)
+
+
+def _check_norm(parts: list[torch.Tensor], gelu: list[bool], norm: Norm) -> None:
+    mult, shift, eps = norm
+    x = parts[0]
+    m, k = x.shape
+    ok = (
+        len(parts) == 1
+        and not gelu[0]
+        and mult.dim() == 2
+        and mult.shape[1] == k
+        and mult.shape[0] > 0
+        and m % mult.shape[0] == 0
+        and tuple(shift.shape) == tuple(mult.shape)
+        and mult.dtype == shift.dtype == x.dtype
+        and mult.device == shift.device == x.device
+        and isinstance(eps, float)
+        and math.isfinite(eps)
+        and eps >= 0
+    )
+    if not ok:
+        raise ValueError(
+            f"rows_quant_fp8's norm needs one part (M, K) without GELU, mult and shift (B, K) of its dtype "
+            f"and device with M a multiple of B, and an eps >= 0; got part {tuple(x.shape)} {x.dtype}, "
+            f"{len(parts)} part(s), mult {tuple(mult.shape)} {mult.dtype}, shift {tuple(shift.shape)} "
+            f"{shift.dtype}, eps {eps!r}"
+        )
+
+
+def rows_quant_fp8_torch(
+    parts: list[torch.Tensor], gelu: list[bool], norm: Norm | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K_i) parts -> ``row_quant_fp8_torch(cat([gelu_tanh(p) if g else p], -1))``; with ``norm``
+    (one part), ``row_quant_fp8_torch(layer_norm(p) * mult + shift)`` (``Norm``)."""
+    if norm is not None:
+        return row_quant_fp8_torch(_modulated_norm(parts[0], norm))
     acts = [F.gelu(p, approximate="tanh") if g else p for p, g in zip(parts, gelu, strict=True)]
     return row_quant_fp8_torch(acts[0] if len(acts) == 1 else torch.cat(acts, -1))
 
 
-def rows_quant_fp8(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows_quant_fp8_torch`` in one pass on CUDA for one or two parts (neither the GELU nor the
-    concatenation is written in bf16); the torch ops elsewhere. parts: (M, K_i), K_i > 0, of one
-    floating dtype and device. Returns (M, sum K_i) float8_e4m3fn and (M, 1) fp32 scales."""
+def rows_quant_fp8(
+    parts: list[torch.Tensor], gelu: list[bool], norm: Norm | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows_quant_fp8_torch`` in one pass on CUDA for one or two parts (neither the GELU, the
+    concatenation nor the modulated norm is written in bf16); the torch ops elsewhere. parts:
+    (M, K_i), K_i > 0, of one floating dtype and device; norm: see ``Norm`` (one part, no GELU).
+    Returns (M, sum K_i) float8_e4m3fn and (M, 1) fp32 scales."""
     a = parts[0] if parts else None
 
     def fits(p: torch.Tensor) -> bool:
@@ -511,19 +579,40 @@ def rows_quant_fp8(parts: list[torch.Tensor], gelu: list[bool]) -> tuple[torch.T
         )
     if any(p.device != a.device for p in parts):
         raise ValueError(f"rows_quant_fp8: parts on {sorted({str(p.device) for p in parts})}, not one device")
+    if norm is not None:
+        _check_norm(parts, gelu, norm)
     if len(parts) > 2 or not _use_triton(*parts):
-        return rows_quant_fp8_torch(parts, gelu)
+        return rows_quant_fp8_torch(parts, gelu, norm)
     kernel, _, triton = _row_quant_kernel()
     b = parts[-1]
     ka, kb = a.shape[1], b.shape[1] if len(parts) == 2 else 0
     q, s = _quant_out(a.shape[0], ka + kb, a.device)
     bka, bkb = triton.next_power_of_2(ka), triton.next_power_of_2(kb) if kb else 0
+    mult, shift, eps = norm if norm is not None else (a, a, 0.0)  # unread without NORM
+    rows = a.shape[0] // mult.shape[0] if norm is not None else 1
     # widths measured at the step's shapes (``quant_kernels_v21_h200.json``): 4 warps up to 4096
-    # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360); two parts: the same
-    # rule, not measured yet (``benchmarks/quant_kernels.py`` has their shapes)
+    # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360); two parts and the
+    # norm: the same rule, not measured yet (``benchmarks/quant_kernels.py`` has their shapes)
     warps = 8 if bka + bkb > 4096 else 4
     kernel[(a.shape[0],)](
-        a, b, q, s, ka, kb, a.stride(0), b.stride(0), gelu[0], gelu[-1], BKA=bka, BKB=bkb, num_warps=warps
+        a,
+        b,
+        q,
+        s,
+        mult.contiguous(),
+        shift.contiguous(),
+        ka,
+        kb,
+        a.stride(0),
+        b.stride(0),
+        rows,
+        eps,
+        gelu[0],
+        gelu[-1],
+        norm is not None,
+        BKA=bka,
+        BKB=bkb,
+        num_warps=warps,
     )
     return q, s
 

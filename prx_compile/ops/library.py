@@ -788,6 +788,31 @@ def _(x, weight_fp8, weight_scale, bias):
     return x.new_empty((*x.shape[:-1], weight_fp8.shape[0]))
 
 
+def _norm(
+    x: torch.Tensor, mult: torch.Tensor | None, shift: torch.Tensor | None, eps: float | None
+) -> tuple | None:
+    """The ``kernels.Norm`` of an op's optional ``norm_mult``, ``norm_shift``, ``norm_eps`` for x (B, L, K):
+    all three or none; mult and shift broadcast to (B, 1, K) in x's dtype and device."""
+    given = [a is not None for a in (mult, shift, eps)]
+    if not any(given):
+        return None
+    _expect(all(given), "norm_mult, norm_shift and norm_eps come together")
+    _expect(x.dim() == 3, f"a norm needs x (B, L, K), got {tuple(x.shape)}")
+    b, _, k = x.shape
+    for name, t in (("norm_mult", mult), ("norm_shift", shift)):
+        _expect(
+            t.dtype == x.dtype and t.device == x.device and t.dim() <= 3,
+            f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}, x {x.dtype} on {x.device}",
+        )
+        try:
+            fits = torch.broadcast_shapes(t.shape, (b, 1, k)) == (b, 1, k)
+        except RuntimeError:
+            fits = False
+        _expect(fits, f"{name} {tuple(t.shape)} does not broadcast to ({b}, 1, {k})")
+    _expect(math.isfinite(eps) and eps >= 0, f"norm_eps must be finite and >= 0, got {eps}")
+    return (mult.expand(b, 1, k).reshape(b, k), shift.expand(b, 1, k).reshape(b, k), float(eps))
+
+
 @torch.library.custom_op(f"{_LIB}::fp8_linears", mutates_args=())
 def fp8_linears(
     parts: list[torch.Tensor],
@@ -795,15 +820,20 @@ def fp8_linears(
     weights_fp8: list[torch.Tensor],
     weight_scales: list[torch.Tensor],
     biases: list[torch.Tensor | None],
+    norm_mult: torch.Tensor | None = None,
+    norm_shift: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> list[torch.Tensor]:
     """``[fp8_linear(x, W_j, S_j, b_j) for each j]`` with ``x = cat([gelu_tanh(p) if g else p for p,
-    g in zip(parts, gelu)], -1)``, x quantised once.
+    g in zip(parts, gelu)], -1)``, x quantised once; with ``norm_*``, ``x = layer_norm(p, eps=norm_eps)
+    * norm_mult + norm_shift`` of one part p (B, L, K) instead (diffusers' modulated norm).
 
     parts: (..., K_i) of one dtype and leading shape; weights_fp8 (N_j, sum K_i) float8_e4m3fn with
-    (N_j,) fp32 scales and (N_j,) biases or None. Returns one (..., N_j) per weight, in the parts'
-    dtype. On CUDA one Triton pass makes x's e4m3 rows and scales from one or two parts
-    (``kernels.rows_quant_fp8``: neither the GELU nor the concatenation is written in bf16); each
-    GEMM is ``fp8_linear``'s. On a CPU it is that composition exactly.
+    (N_j,) fp32 scales and (N_j,) biases or None; norm_mult, norm_shift: broadcast to (B, 1, K).
+    Returns one (..., N_j) per weight, in the parts' dtype. On CUDA one Triton pass makes x's e4m3
+    rows and scales from one or two parts (``kernels.rows_quant_fp8``: neither the GELU, the
+    concatenation nor the modulated norm is written in bf16); each GEMM is ``fp8_linear``'s. On a
+    CPU it is that composition exactly.
     """
     from .kernels import rows_quant_fp8
 
@@ -826,8 +856,10 @@ def fp8_linears(
         n = _check_fp8_weight(f"weights_fp8[{j}]", w, sc, k)
         _expect(b is None or tuple(b.shape) == (n,), f"biases[{j}] must have shape ({n},)")
         outs.append(n)
+    norm = _norm(parts[0], norm_mult, norm_shift, norm_eps)
+    _expect(norm is None or (len(parts) == 1 and not gelu[0]), "a norm takes one part without GELU")
     rows = [p.reshape(math.prod(lead), p.shape[-1]).contiguous() for p in parts]
-    q, s = rows_quant_fp8(rows, list(gelu))
+    q, s = rows_quant_fp8(rows, list(gelu), norm)
     return [
         _fp8_gemm(q, s, w, sc, dtype, b).view(*lead, n)
         for w, sc, b, n in zip(weights_fp8, weight_scales, biases, outs, strict=True)
@@ -835,7 +867,7 @@ def fp8_linears(
 
 
 @fp8_linears.register_fake
-def _(parts, gelu, weights_fp8, weight_scales, biases):
+def _(parts, gelu, weights_fp8, weight_scales, biases, norm_mult=None, norm_shift=None, norm_eps=None):
     return [parts[0].new_empty((*parts[0].shape[:-1], w.shape[0])) for w in weights_fp8]
 
 
@@ -848,22 +880,28 @@ def fp8_gated_mlp(
     up_scale: torch.Tensor,
     down_fp8: torch.Tensor,
     down_scale: torch.Tensor,
+    norm_mult: torch.Tensor | None = None,
+    norm_shift: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
-    """``down(gelu(gate(x), approximate="tanh") * up(x))`` with three FP8 GEMMs, (..., K) -> (..., K').
+    """``down(gelu(gate(x), approximate="tanh") * up(x))`` with three FP8 GEMMs, (..., K) -> (..., K');
+    with ``norm_*``, of ``layer_norm(x, eps=norm_eps) * norm_mult + norm_shift`` (x (B, L, K); mult
+    and shift broadcast to (B, 1, K)) instead.
 
-    Each GEMM is ``fp8_linear``'s (bias-free), so the result is that composition, with two passes
-    fewer: ``x`` is quantised once for gate and up, and the GELU, the product and the quantisation
-    for down are one Triton pass on CUDA (``kernels.gelu_mul_quant_fp8``). Weights (N, K), (N, K),
-    (K', N) float8_e4m3fn with (N,), (N,), (K',) fp32 scales.
+    Each GEMM is ``fp8_linear``'s (bias-free), so the result is that composition, with passes
+    fewer: ``x`` (its norm included) is quantised once for gate and up, and the GELU, the product
+    and the quantisation for down are one Triton pass on CUDA (``kernels.gelu_mul_quant_fp8``).
+    Weights (N, K), (N, K), (K', N) float8_e4m3fn with (N,), (N,), (K',) fp32 scales.
     """
-    from .kernels import gelu_mul_quant_fp8, row_quant_fp8
+    from .kernels import gelu_mul_quant_fp8, rows_quant_fp8
 
     _expect(x.dim() >= 1, "fp8_gated_mlp needs x (..., K)")
     k = x.shape[-1]
     n = _check_fp8_weight("gate_fp8", gate_fp8, gate_scale, k)
     _expect(_check_fp8_weight("up_fp8", up_fp8, up_scale, k) == n, "gate and up have different widths")
     out_n = _check_fp8_weight("down_fp8", down_fp8, down_scale, n)
-    q, s = row_quant_fp8(x.reshape(-1, k).contiguous())
+    norm = _norm(x, norm_mult, norm_shift, norm_eps)
+    q, s = rows_quant_fp8([x.reshape(-1, k).contiguous()], [False], norm)
     gate = _fp8_gemm(q, s, gate_fp8, gate_scale, x.dtype)
     up = _fp8_gemm(q, s, up_fp8, up_scale, x.dtype)
     hq, hs = gelu_mul_quant_fp8(gate, up)
@@ -871,7 +909,18 @@ def fp8_gated_mlp(
 
 
 @fp8_gated_mlp.register_fake
-def _(x, gate_fp8, gate_scale, up_fp8, up_scale, down_fp8, down_scale):
+def _(
+    x,
+    gate_fp8,
+    gate_scale,
+    up_fp8,
+    up_scale,
+    down_fp8,
+    down_scale,
+    norm_mult=None,
+    norm_shift=None,
+    norm_eps=None,
+):
     return x.new_empty((*x.shape[:-1], down_fp8.shape[0]))
 
 

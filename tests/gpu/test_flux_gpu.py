@@ -94,21 +94,24 @@ def test_a_token_range_and_fp8():
 
 
 def test_fp8_inputs_quantised_once_between_the_engines():
-    """Rule ``fp8_inputs`` under TensorRT: each ``fp8_linears`` and the getitems that take its list
-    apart run in PyTorch, the engines that wrote the GELUs and the concatenations are gone, and the
-    step is the unfused one's but for a GELU rounded across an FP8 code now and then."""
+    """Rules ``fp8_inputs`` and ``fp8_norm`` under TensorRT: each ``fp8_linears`` and the getitems
+    that take its list apart run in PyTorch, the engines that wrote the GELUs and the concatenations
+    are gone, the modulated norms run in the quantisation, and the step is the unfused one's but for
+    a GELU or a norm rounded across an FP8 code now and then."""
     kw = example_inputs(make_flux(SMALL_FLUX), 1, 256, 1, 64, dtype=torch.bfloat16, device="cuda")
     outs, reports = [], []
-    for on in (True, False):
+    for inputs, norm in ((True, True), (True, False), (False, False)):
         model = make_flux(SMALL_FLUX, dtype=torch.bfloat16, device="cuda")
-        ct = compile_transformer(model, precision="fp8", fp8_inputs=on, **CONFIG)
+        ct = compile_transformer(model, precision="fp8", fp8_inputs=inputs, fp8_norm=norm, **CONFIG)
         outs.append(ct(**kw, return_dict=False)[0])
         reports.append(ct.report())
-    on, off = reports
-    assert on["torch_ops"]["prx_compile.fp8_linears.default"] == 4 * 2 + 2 * 2, on["torch_ops"]
+    both, inputs, off = reports
+    assert both["torch_ops"]["prx_compile.fp8_linears.default"] == 6 * 2 + 2 * 2, both["torch_ops"]
+    assert inputs["torch_ops"]["prx_compile.fp8_linears.default"] == 4 * 2 + 2 * 2, inputs["torch_ops"]
     assert "prx_compile.fp8_linears.default" not in off["torch_ops"], off["torch_ops"]
-    assert on["engine_calls"] < off["engine_calls"], (on["engine_calls"], off["engine_calls"])
-    assert rel_err(outs[0], outs[1]) < 5e-3
+    assert inputs["engine_calls"] < off["engine_calls"], (inputs["engine_calls"], off["engine_calls"])
+    assert both["engine_calls"] <= inputs["engine_calls"], (both["engine_calls"], inputs["engine_calls"])
+    assert rel_err(outs[0], outs[2]) < 1e-2 and rel_err(outs[1], outs[2]) < 5e-3
 
 
 def test_linear_glue_takes_the_gelus_and_concatenations_into_the_gemms():

@@ -131,6 +131,7 @@ def test_rules_registry_is_ordered_and_documented():
         "select",
         "fp8_mlp",
         "fp8_inputs",
+        "fp8_norm",
         "fp8_attention",
         "padded_attention",
         "dense_attention",
