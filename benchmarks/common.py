@@ -18,8 +18,10 @@ import torch
 from prx_compile.tools.bench import rel_err, time_back_to_back, time_cuda
 
 __all__ = [
+    "WEIGHTS",
     "first_call",
     "init_random_",
+    "made_model",
     "kernel_ms",
     "kernel_profile",
     "memory_gb",
@@ -99,6 +101,38 @@ def kernel_ms(fn, calls: int = 50, runs: int = 5) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / calls)
     return round(best, 4)
+
+
+#: how a benchmark's full-size model gets its random weights: "constructed", as diffusers' constructor
+#: leaves them (PyTorch's default init of each layer) plus the spec's ``nondegenerate_`` (PRX's zero
+#: modulation; nothing for FLUX), what ``tools.testing.make_prx`` gives the 1.17 B; "scaled",
+#: ``init_random_`` (every 2-D weight N(0, 0.02) scaled to its fan-in), what 0.17-0.30's FLUX and 7B
+#: runs used. The errors differ: on a CPU, at reduced depth and full width, FP8's error against bf16
+#: was 2.5x (FLUX.1) and 1.3x (PRXPixel) larger with "scaled" (``docs/design-notes.md``).
+WEIGHTS = ("constructed", "scaled")
+
+
+def made_model(
+    spec, config: dict, weights: str, device: str, dtype: torch.dtype, seed: int = 0
+) -> torch.nn.Module:
+    """``spec``'s model of ``config`` with ``weights`` (``WEIGHTS``), made on ``device`` in ``dtype``
+    (no CPU copy), in eval mode without gradients."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHTS}")
+    if weights == "scaled":
+        model = spec.construct(config).to_empty(device=device).requires_grad_(False)
+        init_random_(model, seed=seed)
+    else:
+        torch.manual_seed(seed)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # each layer's default init, drawn in the model's dtype
+        try:
+            with torch.device(device):
+                model = spec.model_class()(**config)
+        finally:
+            torch.set_default_dtype(default)
+    spec.nondegenerate_(model, seed=seed)
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:

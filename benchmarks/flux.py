@@ -4,8 +4,10 @@
     python benchmarks/flux.py OUT.json --parts fp8                     # another
 
 The FLUX.1-dev configuration (``FluxTransformer2DModel(guidance_embeds=True)``, diffusers' defaults
-otherwise: 19 double and 38 single blocks, 11.9 B parameters) with random non-degenerate weights,
-bf16, 1024² (4096 image tokens), batch 1, 512 text tokens, guidance 3.5. ``--config tiny`` runs the
+otherwise: 19 double and 38 single blocks, 11.9 B parameters) with random non-degenerate weights
+(``--weights``: "constructed", the default since 0.31, as diffusers' constructor leaves them;
+"scaled", 0.17-0.30's ``init_random_``; ``common.WEIGHTS``), bf16, 1024² (4096 image tokens),
+batch 1, 512 text tokens, guidance 3.5. ``--config tiny`` runs the
 same on the tiny FLUX (a dry run, on a CPU with ``--backend eager``). Parts:
 
   bf16      eager; ``compile_transformer`` with ``flux-1024-bf16``; diffusers' regional compilation
@@ -46,11 +48,12 @@ from pathlib import Path
 
 import torch
 from common import (  # noqa: E402
+    WEIGHTS,
     first_call,
     free,
     host_gb,
-    init_random_,
     kernel_profile,
+    made_model,
     memory_gb,
     rel_err,
     speed,
@@ -69,12 +72,12 @@ def log(msg: str) -> None:
     print(f"[flux {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def make_model(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The model of ``config`` on ``device`` with random non-degenerate weights (made on the meta
-    device: no CPU copy of 12 B parameters)."""
-    model = SPEC.construct(config).to_empty(device=device)
-    init_random_(model, seed=0)
-    return model.to(dtype).eval().requires_grad_(False)
+def make_model(
+    config: dict, device: str, dtype: torch.dtype, weights: str = "constructed"
+) -> torch.nn.Module:
+    """The model of ``config`` on ``device`` with random non-degenerate weights (``common.WEIGHTS``;
+    made on the device: no CPU copy of 12 B parameters)."""
+    return made_model(SPEC, config, weights, device, dtype)
 
 
 def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, iters: int) -> dict:
@@ -163,6 +166,7 @@ def main() -> None:
         help="the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations in "
         "engines), one record each; the lora, pipeline, saveload, profile and timeline parts take the first",
     )
+    ap.add_argument("--weights", choices=list(WEIGHTS), default="constructed", help="see common.WEIGHTS")
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
     ap.add_argument("--iters", type=int, default=20)
@@ -175,6 +179,7 @@ def main() -> None:
     vae = 8 if dev else 1
     tokens = (size // (2 * vae)) ** 2
     result: dict = {"what": "FLUX.1 against its peers", "config": args.config, "parts": args.parts}
+    result["weights"] = args.weights
     result["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else None}
     try:
         from prx_compile.backends.tensorrt import shim
@@ -190,7 +195,7 @@ def main() -> None:
 
     base_gb = memory_gb() if cuda else 0.0
     t0 = time.perf_counter()
-    model = make_model(DEV if dev else TINY, device, dtype)
+    model = make_model(DEV if dev else TINY, device, dtype, args.weights)
     free()  # the fp32 init's cached blocks: else the first "memory added" is negative (0.17's run)
     result["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     result["model_gb"] = round(memory_gb() - base_gb, 2) if cuda else None

@@ -52,15 +52,12 @@ PIXEL_SHAPES = [Case((1024, 1024), 2, vae_scale_factor=1), Case((1024, 1024), 1,
 TARGETS = SPECS["prx"].block_linears
 
 
-def pixel_model():
-    """The 7B-sized PRXPixel with random non-degenerate weights, made on the GPU (no CPU copy)."""
-    from common import init_random_
+def pixel_model(weights: str = "constructed"):
+    """The 7B-sized PRXPixel with random non-degenerate weights (``common.WEIGHTS``), made on the GPU
+    (no CPU copy)."""
+    from common import made_model
 
-    spec = SPECS["prx"]
-    model = spec.construct(PIXEL_PRX).to_empty(device="cuda")
-    init_random_(model, seed=0)
-    spec.nondegenerate_(model)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
+    return made_model(SPECS["prx"], PIXEL_PRX, weights, "cuda", torch.bfloat16)
 
 
 def regional(model):
@@ -152,6 +149,12 @@ def main() -> None:
         "--fp8-masters", nargs="*", default=[], choices=["host"], help="fp8: also the preset with these"
     )
     ap.add_argument(
+        "--weights",
+        choices=["constructed", "scaled"],
+        default="constructed",
+        help="the 7B's weights (common.WEIGHTS); the 1.17 B's are always make_prx's (constructed)",
+    )
+    ap.add_argument(
         "--fp8-norm-off",
         action="store_true",
         help="fp8: also the preset with fp8_norm: false (0.30: the modulated norms written by engines)",
@@ -163,7 +166,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     pixel = args.model == "pixel"
-    model = pixel_model() if pixel else make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
+    model = pixel_model(args.weights) if pixel else make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
     shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
     res = run_bench(
         shapes,

@@ -145,6 +145,17 @@ def quant_kernels_check() -> None:
         torch.testing.assert_close(s[rows], scale, rtol=2**-6, atol=0)
         torch.testing.assert_close(q[rows], value[rows].float() / scale, rtol=0, atol=448 * 2**-6)
         assert q[rows].abs().max() <= 448 and not q[rows].isnan().any() and q[2].isnan().any()  # NaN kept
+    # the norm in fp16, whose casts the interpreter rounds as a GPU does (to nearest even): the three
+    # roundings in torch's order, and eps (a zero row, a padded token, stays finite), exactly
+    h = (torch.randn(6, 80, generator=g) * 3 + 1).half()
+    h[4] = 0
+    hm, hs = (1 + torch.randn(2, 80, generator=g)).half(), torch.randn(2, 80, generator=g).half()
+    q, s = torch.empty(6, 80), torch.empty(6, 1)
+    row_quant[(6,)](h, h, q, s, hm, hs, 80, 0, h.stride(0), 0, 3, 1e-6, False, False, True, BKA=128, BKB=0)
+    value = kernels._modulated_norm(h, (hm, hs, 1e-6)).float()
+    scale = value.abs().amax(-1, keepdim=True) / 448
+    assert torch.equal(s, scale) and not q.isnan().any()
+    torch.testing.assert_close(q, value / scale, rtol=0, atol=1e-4)
     # the host code (block widths, warps, flags) as the op calls it, the kernel taken as on a GPU
     kernels._use_triton = lambda *xs: True
     per_row = (torch.randn(7, 80, generator=g), torch.randn(7, 80, generator=g), 1e-5)  # batches of one row
@@ -205,12 +216,16 @@ def test_the_blocks_modulated_norms_run_in_the_quantisation_bit_for_bit(pixel):
     model = make_prx(TINY_PIXEL_PRX if pixel else None)
     kw = prx_inputs(model, h=32 if pixel else 16, w=32 if pixel else 16)
     cfg = dict(RANGE, resolution=32 if pixel else 16)
-    outs, ops = [], []
+    outs, ops, mlps = [], [], []
     for on in (True, False):
         ct = compile_prx(model, backend="eager", precision="fp8", fp8_norm=on, fp8_attention=False, **cfg)
         outs.append(ct(**kw, return_dict=False)[0])
         ops.append(ct.report()["torch_ops"])
+        (gm,) = [be.graph_module for be in ct.sets.backends if hasattr(be, "graph_module")]
+        mlp = torch.ops.prx_compile.fp8_gated_mlp.default
+        mlps.append([len(n.args) for n in gm.graph.nodes if n.target == mlp])
     depth = len(model.blocks)
+    assert mlps == [[10] * depth, [7] * depth]  # the MLP's norm: its norm_mult, norm_shift, norm_eps
     assert (
         ops[0]["prx_compile.fp8_linears.default"] == depth
         and ops[0]["prx_compile.fp8_linear.default"] == 2 * depth

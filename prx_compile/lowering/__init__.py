@@ -2,8 +2,9 @@
 
 Each rule lives in its own file, has the signature ``(gm, settings) -> gm``, rewrites only what it
 can prove exact (anything else is left as is and logged at debug level) and logs how many nodes it
-rewrote. ``fp8_mlp`` emits one op for three FP8 GEMMs: exact on a CPU, and on CUDA within one FP8
-code of the unfused ops per element (its Triton GELU rounds like torch's, from a different formula).
+rewrote. ``fp8_mlp``, ``fp8_inputs`` and ``fp8_norm`` fold work into the FP8 quantising pass: exact
+on a CPU, and on CUDA within one FP8 code of the unfused ops per element (their Triton GELU and norm
+round like torch's, from another formula or summation order).
 ``fp8_attention`` is the one rule that trades exactness for speed, by request (``precision: fp8``).
 Two explicit lists say when they run:
 

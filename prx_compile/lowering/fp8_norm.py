@@ -88,13 +88,16 @@ def modulated_norm(x: object, reader: fx.Node) -> tuple[fx.Node, fx.Node, fx.Nod
                 continue
             x0, eps = found
             v0 = x0.meta["val"]
+            folded = [x, prod, ln]
+            if m in folded or shift in folded:  # e.g. n * n + shift with one token: n is no modulation
+                continue
             if (
                 v0.dim() == 3
                 and v0.dtype == x.meta["val"].dtype
                 and _per_batch(m, v0)
                 and _per_batch(shift, v0)
             ):
-                return x0, m, shift, eps, [x, prod, ln]
+                return x0, m, shift, eps, folded
     return None
 
 

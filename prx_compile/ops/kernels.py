@@ -522,6 +522,13 @@ def _modulated_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
 
 
 def _check_norm(parts: list[torch.Tensor], gelu: list[bool], norm: Norm) -> None:
+    if not (
+        isinstance(norm, tuple)
+        and len(norm) == 3
+        and all(isinstance(t, torch.Tensor) for t in norm[:2])
+        and isinstance(norm[2], float)
+    ):
+        raise ValueError(f"rows_quant_fp8's norm is (mult, shift, eps: float), got {str(norm)[:100]}")
     mult, shift, eps = norm
     x = parts[0]
     m, k = x.shape
@@ -535,7 +542,6 @@ def _check_norm(parts: list[torch.Tensor], gelu: list[bool], norm: Norm) -> None
         and tuple(shift.shape) == tuple(mult.shape)
         and mult.dtype == shift.dtype == x.dtype
         and mult.device == shift.device == x.device
-        and isinstance(eps, float)
         and math.isfinite(eps)
         and eps >= 0
     )
@@ -588,8 +594,8 @@ def rows_quant_fp8(
     ka, kb = a.shape[1], b.shape[1] if len(parts) == 2 else 0
     q, s = _quant_out(a.shape[0], ka + kb, a.device)
     bka, bkb = triton.next_power_of_2(ka), triton.next_power_of_2(kb) if kb else 0
-    mult, shift, eps = norm if norm is not None else (a, a, 0.0)  # unread without NORM
-    rows = a.shape[0] // mult.shape[0] if norm is not None else 1
+    mult, shift, eps = (norm[0].contiguous(), norm[1].contiguous(), norm[2]) if norm else (a, a, 0.0)
+    rows = a.shape[0] // mult.shape[0] if norm is not None else 1  # without NORM: unread
     # widths measured at the step's shapes (``quant_kernels_v21_h200.json``): 4 warps up to 4096
     # columns (3.50 against 3.27 TB/s at 3072), 8 above (3.93 TB/s at 15360); two parts and the
     # norm: the same rule, not measured yet (``benchmarks/quant_kernels.py`` has their shapes)
@@ -599,8 +605,8 @@ def rows_quant_fp8(
         b,
         q,
         s,
-        mult.contiguous(),
-        shift.contiguous(),
+        mult,
+        shift,
         ka,
         kb,
         a.stride(0),

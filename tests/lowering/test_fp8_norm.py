@@ -118,12 +118,34 @@ def test_other_norms_are_left_alone(variant, switches):
 
 
 def test_a_modulation_of_another_dtype_is_left_alone():
+    """A bf16 scale and shift over an fp32 norm: torch promotes, the op would refuse the mix."""
+
     class Promoted(Modulated):
         def forward(self, x, temb):
             scale, shift = self.mod(temb)[:, None, :].chunk(2, dim=-1)
-            return self.lin[0]((self.norm(x) * (1 + scale.double()) + shift).float())
+            return self.lin[0](self.norm(x) * (1 + scale.bfloat16()) + shift.bfloat16())
 
     out, ref, calls = lowered(Promoted(), *ARGS)
+    assert normed(calls) == [] and aten.layer_norm.default in [c.target for c in calls]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["n * n + shift", "p + p"])
+def test_a_norm_that_is_its_own_modulation_is_left_alone(form):
+    """With one token a (B, 1, K) norm output has the modulation's shape: ``n * n + shift`` and
+    ``p + p`` (p = n * (1 + scale)) must not be taken for one (the rule would fold what it reads)."""
+
+    class Square(Modulated):
+        def forward(self, x, temb):
+            scale, shift = self.mod(temb)[:, None, :].chunk(2, dim=-1)
+            n = self.norm(x)
+            if form == "n * n + shift":
+                return self.lin[0](n * n + shift)
+            p = n * (1 + scale)
+            return self.lin[0](p + p)
+
+    args = (rand(2, 1, 32), ARGS[1])
+    out, ref, calls = lowered(Square(), *args)
     assert normed(calls) == []
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
@@ -154,10 +176,13 @@ def test_the_ops_check_their_norm_in_one_line():
 
     rows = x.reshape(10, 24)
     bad = [
-        ([rows], [False], (m.reshape(2, 24), s.reshape(2, 24)[:, :8], 1e-5)),
-        ([rows], [False], (rand(3, 24), rand(3, 24), 1e-5)),  # 10 rows are not 3 batches
-        ([rows, rows], [False, False], (m.reshape(2, 24), s.reshape(2, 24), 1e-5)),
+        ([rows], [False], (m.reshape(2, 24), s.reshape(2, 24)[:, :8], 1e-5), "needs"),
+        ([rows], [False], (rand(3, 24), rand(3, 24), 1e-5), "needs"),  # 10 rows are not 3 batches
+        ([rows, rows], [False, False], (m.reshape(2, 24), s.reshape(2, 24), 1e-5), "needs"),
+        ([rows], [False], (m.reshape(2, 24), s.reshape(2, 24)), "is \\(mult, shift, eps: float\\)"),
+        ([rows], [False], (None, s.reshape(2, 24), 1e-5), "is \\(mult"),
+        ([rows], [False], (m.reshape(2, 24), s.reshape(2, 24), 0), "is \\(mult"),
     ]
-    for parts, gelu, norm in bad:
-        with pytest.raises(ValueError, match="rows_quant_fp8's norm needs"):
+    for parts, gelu, norm, match in bad:
+        with pytest.raises(ValueError, match=f"rows_quant_fp8's norm {match}"):
             rows_quant_fp8(parts, gelu, norm)
