@@ -3,18 +3,22 @@ full width and reduced depth, under each of ``common.WEIGHTS``, run eagerly in f
 bf16 with the block linears in FP8 (``quant.fp8.install``: the row quantisation and GEMM the compiled
 step runs, PyTorch's CPU ``_scaled_mm`` on a CPU). Writes OUT.json:
 
-    python benchmarks/probes/weights_error.py OUT.json [--device cuda] [--ablate]
+    python benchmarks/probes/weights_error.py OUT.json [--device cuda] [--ablate] [--depth D S]
 
 FLUX: 2 double and 4 single blocks, 1024 image and 256 text tokens, batch 1, guidance 3.5. PRXPixel:
 4 blocks, 512² pixels (1024 tokens), batch 2, 256 text tokens, the second row's last 100 masked.
 Each row: relative L2 error of bf16 against fp32 and of FP8 against bf16 (the benchmarks' "error
 against eager bf16"). ``--ablate`` (FLUX, "constructed"): FP8 on one kind of block linear only, and
-on all but one kind, to see whether one kind carries the error.
+on all but one kind, to see whether one kind carries the error. On CUDA each FP8 row is also run with
+the GEMMs' fast accumulation off (``fp8_split_vs_bf16``: ``torch._scaled_mm(use_fast_accum=False)``,
+patched in for the probe; a CPU has one accumulation). ``--depth`` sets FLUX.1's double and single
+block counts and the 7B's depth (the first) instead of the reduced ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import re
@@ -52,6 +56,21 @@ KINDS = {
 }
 
 
+@contextlib.contextmanager
+def split_accumulation():
+    """``torch._scaled_mm`` with ``use_fast_accum=False`` whatever its caller asks (this probe only)."""
+    original = torch._scaled_mm
+
+    def scaled_mm(*args, **kwargs):
+        return original(*args, **{**kwargs, "use_fast_accum": False})
+
+    torch._scaled_mm = scaled_mm
+    try:
+        yield
+    finally:
+        torch._scaled_mm = original
+
+
 def run(model, kw) -> torch.Tensor:
     with torch.no_grad():
         return model(**kw, return_dict=False)[0]
@@ -69,13 +88,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--family", nargs="+", default=["flux", "prx"], choices=list(CASES))
     ap.add_argument("--ablate", action="store_true")
+    ap.add_argument(
+        "--depth", nargs=2, type=int, default=None, help="FLUX.1 double and single; the 7B the first"
+    )
+    ap.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     args = ap.parse_args()
+    if args.depth:
+        CASES["flux"][0].update(num_layers=args.depth[0], num_single_layers=args.depth[1])
+        CASES["prx"][0].update(depth=args.depth[0])
     out: dict = {"what": " ".join(__doc__.split("\n\n")[0].split()), "device": args.device, "rows": []}
     out["torch"] = torch.__version__
     for family in args.family:
         spec = SPECS[family]
         config, case = CASES[family]
-        for weights in WEIGHTS:
+        for weights in args.weights:
             t0 = time.perf_counter()
             model = made_model(spec, config, weights, args.device, torch.float32)
             shape = dict(case)
@@ -105,6 +131,9 @@ def main() -> None:
                 "fp8_linears": len(names),
                 "output_std_fp32": float(ref32.std()),
             }
+            if args.device != "cpu":
+                with split_accumulation():
+                    row["fp8_split_vs_bf16"] = rel_err(in_fp8(model16, kw16, spec, names), ref16)
             if args.ablate and family == "flux" and weights == "constructed":
                 row["ablation"] = {}
                 for kind, pattern in KINDS.items():
