@@ -53,6 +53,9 @@ class Backend(abc.ABC):
         #: ``first_run_s`` (the first step, JIT kernels included) and, with CUDA graphs,
         #: ``graph_capture_s``; a loaded set has ``load_s`` instead of the build stages.
         self.timings: dict[str, float] = {}
+        #: (TensorRT) each engine built, slowest first: partition -> [seconds, ops, the 6 commonest]
+        #: (empty where nothing was built: a loaded set, a cache hit, the PyTorch backends)
+        self.engine_build_s: dict[str, list] = {}
         #: the kernels this set runs, measured when it was built (``ops.choice``)
         self.kernels: KernelChoice | None = None
 

@@ -505,8 +505,9 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
 
     def report(self) -> dict[str, Any]:
         """Engine sets (shapes, engines (distinct) and engine calls, PyTorch segments, ops kept in
-        PyTorch, build time and where a set's first call went: ``timings``; the kernels it measured and
-        chose: ``kernels``, ``choice.KernelChoice``), the first built set's kernels (before any is
+        PyTorch, build time and where a set's first call went: ``timings``; its four slowest engine
+        builds: ``slowest_engines``; the kernels it measured and chose: ``kernels``,
+        ``choice.KernelChoice``), the first built set's kernels (before any is
         built: the candidates), versions; ``lora``: the loaded adapters, the active scales and what
         ``disable_lora`` set aside (``lora.summary``; None without LoRA)."""
         from ..lora.adapters import summary as lora_summary  # it imports the runtime package
@@ -518,6 +519,7 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
                 "shapes": b.shapes.describe(),
                 "build_s": b.build_s,
                 "timings": dict(b.timings),
+                "slowest_engines": dict(list(b.engine_build_s.items())[:4]),
                 "kernels": b.kernels.to_json() if b.kernels is not None else None,
                 **b.report(),
             }

@@ -113,6 +113,8 @@ def test_fold_patchify_stays_in_the_engines():
     kw = inputs(model)
     assert rel_err(ct(**kw, return_dict=False)[0], eager(model, kw)) < TOL
     assert ct.report()["engines"] == SMALL_PRX["depth"] + 1
+    slowest = ct.report()["engine_sets"][0]["slowest_engines"]  # what a first call waits on
+    assert 1 <= len(slowest) <= 4 and all(s > 0 and ops > 0 for s, ops, _ in slowest.values()), slowest
 
 
 def test_on_shape_miss_split_runs_a_larger_batch_through_the_sets_it_has(caplog):

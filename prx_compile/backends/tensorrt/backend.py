@@ -72,8 +72,6 @@ class TensorRTBackend(Backend):
         self._load_lock = threading.Lock()
         #: the execution contexts' device memory, one block for the set (``share_context_memory``)
         self.arena: engine.DeviceArena | None = None
-        #: built partition -> [conversion seconds, ops, the 6 commonest], slowest first (``share_engines``)
-        self.engine_build_s: dict[str, list] = {}
 
     # -- build ----------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
