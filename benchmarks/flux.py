@@ -95,6 +95,7 @@ def record(label: str, fn, kw: dict, ref: torch.Tensor | None, base_gb: float, i
             k: r[k] for k in ("engines", "engine_calls", "torch_segments", "torch_ops", "kernels")
         }
         rec["report"]["timings"] = r["engine_sets"][0].get("timings")
+        rec["report"]["slowest_engines"] = r["engine_sets"][0].get("slowest_engines")
     log(f"{label}: {json.dumps({k: v for k, v in rec.items() if k != 'report'})}")
     return rec
 
