@@ -7,27 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prx_compile.lowering import LoweringSettings, lower
 from prx_compile.ops import FP8_GATED_MLP, FP8_LINEAR, FP8_LINEARS
 from prx_compile.quant import fp8
 
+from .test_fp8_inputs import linears, lowered, rand
+
 aten = torch.ops.aten
-
-
-def linears(*shapes, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n, k in shapes:
-        lin = torch.nn.Linear(k, n, bias=bias)
-        torch.nn.init.normal_(lin.weight, std=0.2, generator=g)
-        if bias:
-            torch.nn.init.normal_(lin.bias, std=0.5, generator=g)
-        out.append(fp8.FP8Linear.from_linear(lin))
-    return torch.nn.ModuleList(out)
-
-
-def rand(*shape, seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2
 
 
 class Modulated(torch.nn.Module):
@@ -59,12 +44,6 @@ class Modulated(torch.nn.Module):
         if self.read_x:
             outs.append(h[..., :8] + 1)
         return torch.cat(outs, -1)
-
-
-def lowered(module, *args, **switches):
-    gm = lower(torch.export.export(module.eval(), args).module(), LoweringSettings(**switches))
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    return gm(*args), module(*args), calls
 
 
 def normed(calls):
