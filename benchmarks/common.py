@@ -123,12 +123,13 @@ def made_model(
         model = spec.construct(config).to_empty(device=device).requires_grad_(False)
         init_random_(model, seed=seed)
     else:
+        cls = spec.model_class()  # imported first: module-level tensors keep their own dtype and device
         torch.manual_seed(seed)
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # each layer's default init, drawn in the model's dtype
         try:
             with torch.device(device):
-                model = spec.model_class()(**config)
+                model = cls(**config)
         finally:
             torch.set_default_dtype(default)
     spec.nondegenerate_(model, seed=seed)

@@ -180,7 +180,7 @@ def main() -> None:
     vae = 8 if dev else 1
     tokens = (size // (2 * vae)) ** 2
     result: dict = {"what": "FLUX.1 against its peers", "config": args.config, "parts": args.parts}
-    result["weights"] = args.weights
+    result["model_weights"] = args.weights
     result["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else None}
     try:
         from prx_compile.backends.tensorrt import shim
@@ -224,14 +224,12 @@ def main() -> None:
         compiled = compile_transformer(model, config="flux-1024-bf16", linear_glue=glue, **overrides)
         label = "compile_transformer[flux-1024-bf16]" + ("" if glue else " linear_glue=off")
         records.append(record(label, compiled, kw, ref_out, base_gb, args.iters))
-        records[-1]["report"] = {k: compiled.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
         save()
         for other in args.linear_glue[1:]:
             base_gb = memory_gb() if cuda else 0.0
             ct = compile_transformer(model, config="flux-1024-bf16", linear_glue=other == "on", **overrides)
             label = "compile_transformer[flux-1024-bf16]" + ("" if other == "on" else " linear_glue=off")
             records.append(record(label, ct, kw, ref_out, base_gb, args.iters))
-            records[-1]["report"] = {k: ct.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
             del ct
             free()
             save()
@@ -305,7 +303,6 @@ def main() -> None:
         fp8 = dict(fp8_masters=masters, fp8_inputs=inputs == "on", fp8_norm=norm == "on")
         ours = compile_transformer(m, config="flux-1024-fp8", **fp8, **overrides)
         records.append(record(label, ours, kw, ref_out, base_gb, args.iters))
-        records[-1]["report"] = {k: ours.report()[k] for k in ("engines", "engine_calls", "torch_ops")}
         save()
         if "fp8_lora" in args.parts:
             key = (

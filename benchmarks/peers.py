@@ -148,9 +148,11 @@ def main() -> None:
     ap.add_argument(
         "--fp8-masters", nargs="*", default=[], choices=["host"], help="fp8: also the preset with these"
     )
+    from common import WEIGHTS  # benchmarks/, beside this script
+
     ap.add_argument(
         "--weights",
-        choices=["constructed", "scaled"],
+        choices=list(WEIGHTS),
         default="constructed",
         help="the 7B's weights (common.WEIGHTS); the 1.17 B's are always make_prx's (constructed)",
     )
@@ -166,6 +168,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     pixel = args.model == "pixel"
+    if args.weights != "constructed" and not pixel:
+        ap.error("--weights scaled is for --model pixel: the 1.17 B is always make_prx's (constructed)")
     model = pixel_model(args.weights) if pixel else make_prx(FULL_PRX, dtype=torch.bfloat16, device="cuda")
     shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
     res = run_bench(
@@ -176,6 +180,7 @@ def main() -> None:
         reference_fp32=args.reference_fp32,
     )
     res["model"] = args.model
+    res["model_weights"] = args.weights
     res["parts"] = args.parts
     print(table(res), flush=True)
     if "profile" in args.parts:

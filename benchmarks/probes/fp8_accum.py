@@ -9,8 +9,8 @@ K; without it cuBLASLt adds them into fp32 along the way. For each shape (row-wi
 and per-channel e4m3 weights, as ``fp8_linear`` makes them): ms per GEMM (50 calls between two CUDA
 events, the least of 5 runs) and the relative L2 error against the same e4m3 values multiplied in
 fp32 (the accumulation's own error) and against the bf16 GEMM of the unquantised inputs (the whole
-FP8 error). Shapes: FLUX.1-dev 1024² (4608 rows; K 3072, 12288, 15360) and the 7B PRX 1024² b2
-(8192 rows; K 3072, 10752).
+FP8 error). Shapes: FLUX.1-dev 1024² (a double block's 4096 image rows, K 3072 and 12288; a single
+block's 4608 rows, K 15360) and the 7B PRX 1024² b2 (8192 rows; K 3072, 10752).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from prx_compile.ops.kernels import row_quant_fp8_torch  # noqa: E402
 from prx_compile.tools.bench import rel_err  # noqa: E402
 
 CASES = {  # rows, K, N
-    "flux_qkv_3072": (4608, 3072, 3072),
-    "flux_ff_out_12288": (4608, 12288, 3072),
+    "flux_qkv_3072": (4096, 3072, 3072),
+    "flux_ff_out_12288": (4096, 12288, 3072),
     "flux_single_out_15360": (4608, 15360, 3072),
     "pixel7b_qkv_3072": (8192, 3072, 9216),
     "pixel7b_down_10752": (8192, 10752, 3072),

@@ -80,8 +80,9 @@ class ModelSpec(abc.ABC):
 
     def construct(self, config: dict[str, Any]) -> torch.nn.Module:
         """The model of ``config`` (constructor keyword arguments), on the meta device: no memory."""
+        cls = self.model_class()  # imported outside: a module's own tensors stay off the meta device
         with torch.device("meta"):
-            return self.model_class()(**config)
+            return cls(**config)
 
     def config_problem(self, model_config: Any) -> str | None:
         """Why a model of ``model_config`` cannot run here though its class accepted it (None when it
