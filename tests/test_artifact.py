@@ -740,8 +740,8 @@ STEPS = textwrap.dedent("""
         finally:
             logging.getLogger("prx_compile.io.cache").removeHandler(handler)
         out = out.double()
-        return {"hit": ct.cache_hits[0]["load_s"] is not None, "sum": float(out.sum()),
-                "abs": float(out.abs().sum()), "said": said}
+        return {"hit": ct.cache_hits[0]["load_s"] is not None, "key": ct.cache_hits[0]["key"],
+                "sum": float(out.sum()), "abs": float(out.abs().sum()), "said": said}
 """)
 WORKER = STEPS + textwrap.dedent("""
     model, kw = prepare()
@@ -805,6 +805,7 @@ def test_concurrent_writers_leave_a_valid_artifact(two_processes):
 def test_engine_cache_shared_by_two_processes(two_processes):
     root, results = two_processes
     said = (root / "stderr.txt").read_text()[-1500:]
+    assert results[0]["key"] == results[1]["key"], (results, said)  # one engine set, one key in both
     assert sorted(r["hit"] for r in results) == [False, True], (results, said)  # built once, loaded once
     # the same engine set and weights: equal but for a CPU matmul's last bits, which depend on how
     # each process's buffers are aligned (0.27 compared the sums exactly: it failed once)
