@@ -143,30 +143,16 @@ def main() -> None:
         choices=["device", "host"],
         help="the fp8 part's fp8_masters settings, one record each (fp8_lora: a LoRA switch on each)",
     )
-    ap.add_argument(
-        "--fp8-inputs",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="the fp8 part's fp8_inputs settings (off: a quantisation per FP8 linear, 0.29's graph), "
-        "one record each for every --fp8-masters; the timeline and profile take the first",
-    )
-    ap.add_argument(
-        "--fp8-norm",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="the fp8 part's fp8_norm settings (off: 0.30's graph, the modulated norms written by "
-        "engines), one record each for every --fp8-masters and --fp8-inputs; the timeline takes the first",
-    )
-    ap.add_argument(
-        "--linear-glue",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations in "
-        "engines), one record each; the lora, pipeline, saveload, profile and timeline parts take the first",
-    )
+    for flag, what in (
+        ("--fp8-inputs", "the fp8 part's fp8_inputs settings (off: one quantisation per FP8 linear, 0.29)"),
+        ("--fp8-norm", "the fp8 part's fp8_norm settings (off: 0.30's graph, the norms written by engines)"),
+        ("--linear-glue", "the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations "
+         "in engines); the lora, pipeline, saveload and profile parts take the first"),
+    ):  # fmt: skip
+        ap.add_argument(
+            flag, nargs="+", default=["on"], choices=["on", "off"],
+            help=f"{what}: one record each (fp8: for every other fp8 setting); the timeline takes the first",
+        )  # fmt: skip
     ap.add_argument("--weights", choices=list(WEIGHTS), default="constructed", help="see common.WEIGHTS")
     ap.add_argument("--config", choices=["dev", "tiny"], default="dev")
     ap.add_argument("--backend", default="tensorrt")
