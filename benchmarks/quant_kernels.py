@@ -2,8 +2,9 @@
 
     python benchmarks/quant_kernels.py OUT.json
 
-At the shapes the 7B PRX (1024² b2: 8704 rows; hidden 3072, MLP 12288) and FLUX.1-dev (1024² b1:
-4608 rows; hidden 3072, single-block MLP input 15360) run them: ``row_quant_fp8`` (a row of bf16 ->
+At the shapes the 7B PRX (1024² b2: 8192 image rows; hidden 3072, MLP 10752) and FLUX.1-dev
+(1024² b1: 4096 image rows, 4608 in the single blocks; hidden 3072, single-block output input
+15360) run them: ``row_quant_fp8`` (a row of bf16 ->
 e4m3 and its scale), ``rows_quant_fp8`` with GELUs and a concatenation in the same pass (0.30: FLUX's
 feed-forward input GELU(h) and its single blocks' [attention; GELU(mlp)], read from the producers'
 outputs; 0.31: a block's modulated layer norm, ``norm``) and ``gelu_mul_quant_fp8`` (GELU(gate) * up
@@ -30,14 +31,14 @@ from common import kernel_ms  # noqa: E402
 from prx_compile.ops import kernels  # noqa: E402
 
 SHAPES = {  # (kind, rows, the parts' columns, GELU per part, batch) each kernel meets in a step
-    "pixel7b_row_3072": ("row", 8704, (3072,), (False,), 1),
+    "pixel7b_row_3072": ("row", 8192, (3072,), (False,), 1),  # the attention output's projection
     "pixel7b_norm_3072": ("norm", 8192, (3072,), (False,), 2),  # 0.31: q/k/v's and the MLP's input
-    "pixel7b_gelu_12288": ("gelu_mul", 8704, (12288,), (True,), 1),
-    "flux_row_3072": ("row", 4608, (3072,), (False,), 1),
+    "pixel7b_gelu_10752": ("gelu_mul", 8192, (10752,), (True,), 1),
+    "flux_row_3072": ("row", 4096, (3072,), (False,), 1),  # a double block's attention output
     "flux_norm_3072": ("norm", 4096, (3072,), (False,), 1),  # 0.31: a double block's image norms
     "flux_row_15360": ("row", 4608, (15360,), (False,), 1),  # 0.29's single-block proj_out input
     "flux_rows_3072_gelu_12288": ("row", 4608, (3072, 12288), (False, True), 1),  # 0.30's
-    "flux_row_gelu_12288": ("row", 4608, (12288,), (True,), 1),  # 0.30's feed-forward ff.net.2 input
+    "flux_row_gelu_12288": ("row", 4096, (12288,), (True,), 1),  # 0.30's feed-forward ff.net.2 input
     "flux_gelu_12288": ("gelu_mul", 4608, (12288,), (True,), 1),
 }
 

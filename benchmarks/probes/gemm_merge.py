@@ -8,10 +8,10 @@ weights in one buffer (not built). Writes OUT.json (GPU):
 Each case times the separate GEMMs back to back against one GEMM whose weight is their rows
 stacked (``(sum N, K)``), 50 calls between two CUDA events, the least of 5 runs, and reports the
 merged GEMM's output columns read as the separate outputs (``strided``, what a consumer that takes
-a row stride would read) and copied out (``contiguous``). FLUX.1: a double block's q/k/v (4608
-image rows, 3 x 3072), its text q/k/v (512 rows), a single block's q/k/v and MLP projection (5120
+a row stride would read) and copied out (``contiguous``). FLUX.1: a double block's q/k/v (4096
+image rows, 3 x 3072), its text q/k/v (512 rows), a single block's q/k/v and MLP projection (4608
 rows, 3 x 3072 + 12288). The 7B PRX's projections are already one GEMM each (img_qkv_proj);
-its MLP gate and up (8704 rows, 2 x 12288) are in ``fp8_gated_mlp`` / ``gelu_gate``.
+its MLP gate and up (8192 rows, 2 x 10752) are in ``fp8_gated_mlp`` / ``gelu_gate``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import kernel_ms  # noqa: E402  (benchmarks/common.py)
 
 CASES = {  # rows, K, the linears' N
-    "flux_double_img_qkv": (4608, 3072, (3072, 3072, 3072)),
+    "flux_double_img_qkv": (4096, 3072, (3072, 3072, 3072)),
     "flux_double_txt_qkv": (512, 3072, (3072, 3072, 3072)),
-    "flux_single_qkv_mlp": (5120, 3072, (3072, 3072, 3072, 12288)),
-    "pixel7b_gate_up": (8704, 3072, (12288, 12288)),
+    "flux_single_qkv_mlp": (4608, 3072, (3072, 3072, 3072, 12288)),
+    "pixel7b_gate_up": (8192, 3072, (10752, 10752)),
 }
 
 

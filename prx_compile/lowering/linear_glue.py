@@ -13,7 +13,7 @@ cuBLAS):
 Emits: ``linear_gelu(x, W, b)`` (one cuBLASLt GEMM, bias and GELU in its epilogue) and
 ``linear_cat(a, b, W, b)`` (two GEMMs over W's column blocks, the second accumulating into the first).
 Why: in FLUX.1's bf16 step the engines between the GEMMs wrote the GELUs' outputs and the single
-blocks' 5120 x 15360 concatenations in bf16 for the next GEMM to read again, the largest
+blocks' 4608 x 15360 concatenations in bf16 for the next GEMM to read again, the largest
 elementwise traffic of the step (TensorRT's kernels took 6.9 ms of 125.8, ``flux_timeline_v22_h200.json``).
 On a CPU the ops are the composition (exact); on CUDA the GELU takes the fp32 accumulator where
 cuBLASLt's epilogue runs it (else a GELU pass after the GEMM) and ``linear_cat`` rounds once more (the

@@ -52,11 +52,14 @@ def _handle(cudnn, device: torch.device):
     return handles[device]
 
 
-def _graph(cudnn, handle, x, w, up):
-    """The matmul-with-epilogue graph for (1, M, K) x (1, K, N) views, with its plans created."""
+def _graph(cudnn, handle, x, w, up, **options):
+    """The matmul-with-epilogue graph for (1, M, K) x (1, K, N) views, with its plans created
+    (``options``: further ``cudnn.pygraph`` arguments, e.g. a probe's kernel cache)."""
     io = cudnn.data_type.BFLOAT16 if x.dtype == torch.bfloat16 else cudnn.data_type.HALF
     f32 = cudnn.data_type.FLOAT
-    g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=f32, compute_data_type=f32)
+    g = cudnn.pygraph(
+        handle=handle, io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, **options
+    )
     tx = g.tensor(name="x", dim=list(x.shape), stride=list(x.stride()), data_type=io)
     tw = g.tensor(name="w", dim=list(w.shape), stride=list(w.stride()), data_type=io)
     tu = g.tensor(name="up", dim=list(up.shape), stride=list(up.stride()), data_type=io)
