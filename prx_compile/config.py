@@ -473,7 +473,7 @@ class CompileConfig:
 
 
 #: The largest YAML config read (a config is a few hundred bytes; this bounds the parser's time).
-MAX_YAML_BYTES = 1 << 20
+MAX_YAML_BYTES = 1 << 16
 
 
 #: The longest integer a YAML config may spell (digits, signs, "_" and ":" included).
@@ -527,6 +527,10 @@ def _no_duplicate_keys(node) -> None:
     in a mapping it merges (``<<``), which PyYAML would otherwise resolve silently."""
     import yaml
 
+    if not isinstance(node, yaml.MappingNode):  # "!!map [1]": a mapping tag on another node
+        raise yaml.constructor.ConstructorError(
+            None, None, f"a {node.id} tagged as a mapping", node.start_mark
+        )
     seen = set()
     for key_node, value_node in node.value:
         key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
@@ -552,7 +556,7 @@ def load_yaml(path: Path) -> Any:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     except (FileNotFoundError, NotADirectoryError) as e:
         raise ConfigError(f"config file {path} does not exist.") from e
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         raise ConfigError(f"config file {path} cannot be read ({type(e).__name__}).") from e
     try:  # examined before it is wrapped: a directory opens, but ``fdopen`` would raise on it
         st = os.fstat(fd)
@@ -584,8 +588,9 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}).") from e
     try:
         return yaml.load(text, Loader=_safe_loader())  # noqa: S506 - a SafeLoader subclass
-    except (yaml.YAMLError, RecursionError) as e:
-        raise ConfigError(f"{path} is not valid YAML: {one_line(e)}") from e
+    # PyYAML's own constructors raise these on a bad scalar (a date 2001-13-45, "!!int abc", "!!bool x")
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise ConfigError(f"{path} is not valid YAML: {type(e).__name__}: {one_line(e)}") from e
 
 
 def preset_path(name: str) -> Path:

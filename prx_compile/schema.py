@@ -27,6 +27,7 @@ of the value; readers turn it into their own error type (``ArtifactError``, ``Lo
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -209,6 +210,13 @@ def check(spec: Spec, value: Any, where: str) -> Any:
     return spec.check(value, where)
 
 
+def mostly_holes(st: os.stat_result) -> bool:
+    """Whether a file read from disk is mostly holes (sparse: over 64 MiB, 64 times larger than the
+    blocks it takes, where a compressed file system shrinks real weights far less): reading or
+    hashing it would read zeros for hours, or make gigabytes of tensors of a small file."""
+    return st.st_size > 64 * 2**20 and st.st_blocks * 512 * 64 < st.st_size
+
+
 __all__ = [
     "SchemaError",
     "Int",
@@ -223,4 +231,5 @@ __all__ = [
     "OneOf",
     "Later",
     "check",
+    "mostly_holes",
 ]

@@ -1092,3 +1092,10 @@ def test_a_damaged_header_is_named_as_damaged(artifact):
         load_compiled(artifact)
     with pytest.raises(ArtifactError, match="weights.safetensors is not a readable safetensors file"):
         load_compiled(artifact, verify=False)
+
+
+@pytest.mark.parametrize("fn", [load_compiled, inspect_artifact])
+def test_a_path_too_long_to_examine_is_an_artifact_error(fn):
+    """0.31 let the OSError of ``Path.is_dir`` through (a name over 255 bytes)."""
+    with pytest.raises(ArtifactError, match="cannot be examined"):
+        fn("a" * 5000)

@@ -127,7 +127,7 @@ def corrupt(kind, model, tmp_path):
         return sd, r"blocks\.0\.up_proj matrix B/up holds NaN or infinite values"
     if kind == "nan_alpha":
         sd["transformer.blocks.0.up_proj.alpha"] = torch.tensor(float("nan"))
-        return sd, r"alpha is nan, not a finite number"
+        return sd, r"alpha' is nan, not a finite number"
     if kind == "rank_zero":
         sd[key_a], sd[key_a.replace("lora_A", "lora_B")] = torch.zeros(0, 64), torch.zeros(128, 0)
         return sd, "has rank 0"
@@ -162,6 +162,28 @@ def corrupt(kind, model, tmp_path):
             sd,
             r"LoRA bad, good: layer blocks\.0\.up_proj: the fused weight is not finite in torch\.float32",
         )
+    if kind == "zero_alpha":  # diffusers' converters: no update; kohya's trainers: alpha = r
+        sd["transformer.blocks.0.up_proj.alpha"] = torch.tensor(0.0)
+        return sd, r"alpha' is 0, which readers disagree on"
+    if kind == "lora_bias":  # PEFT's lora_bias: left out, the rest of the LoRA applied (0.31)
+        sd["transformer.blocks.0.up_proj.lora_B.bias"] = torch.ones(128)
+        return sd, r"a LoRA bias \(lora_B\.bias: PEFT's lora_bias\) is not supported"
+    if kind == "dora":
+        sd["transformer.blocks.0.up_proj.lora_magnitude_vector"] = torch.ones(128)
+        return sd, r"DoRA \(lora_magnitude_vector\) is not supported"
+    if kind == "rank_over_side":  # up_proj is 64 -> 128: a rank above 64 adds nothing
+        sd[key_a], sd[key_a.replace("lora_A", "lora_B")] = torch.zeros(65, 64), torch.zeros(128, 65)
+        return sd, r"blocks\.0\.up_proj has rank 65, more than its smaller side \(64\)"
+    if kind == "file_rank_over_max":  # refused from the header, before any tensor is read
+        sd["transformer.elsewhere.lora_A.weight"] = torch.zeros(65537, 1, dtype=torch.float16)
+        save_file(sd, str(tmp_path / "big.safetensors"))
+        return tmp_path / "big.safetensors", r"lora_A\.weight' has rank 65537, more than 65536"
+    if kind == "sparse_file":  # 1 GiB of holes: reading it would make a gigabyte of tensors
+        p = tmp_path / "holes.safetensors"
+        save_file(sd, str(p))
+        with open(p, "r+b") as f:
+            f.truncate(2**30)
+        return p, "is a sparse file"
     if kind.startswith("adapter_config_"):
         d = tmp_path / kind
         d.mkdir()
@@ -208,6 +230,12 @@ def corrupt(kind, model, tmp_path):
         "adapter_config_big_int_alpha",
         "adapter_config_big_int_r",
         "adapter_config_scale",
+        "zero_alpha",
+        "lora_bias",
+        "dora",
+        "rank_over_side",
+        "file_rank_over_max",
+        "sparse_file",
     ],
 )
 def test_bad_input_is_a_clear_error_and_changes_nothing(kind, tmp_path):
@@ -257,6 +285,16 @@ def test_bad_scales_and_names_change_nothing(call, match):
     with pytest.raises(LoRAError, match=match):
         call(model)
     assert same(weights(model), before) and list(summary(model)["adapters"]) == ["a"]
+
+
+def test_messages_show_a_bounded_part_of_hostile_keys():
+    """0.31 put whole keys in its messages: five unmatched keys of 4 MiB made one of 20 M characters."""
+    model = make_prx()
+    sd = make_random_lora(model, 4, seed=1)
+    sd.update({("x" * 2**22) + f"{i}.lora_A.weight": torch.zeros(1) for i in range(5)})
+    with pytest.raises(LoRAError, match="match no Linear layer") as e:
+        load_lora(model, sd, "long")
+    assert len(str(e.value)) < 1500
 
 
 def test_identical_duplicate_keys_are_accepted():

@@ -351,6 +351,14 @@ def test_what_a_compiled_module_cannot_do_is_said_in_one_line(caplog):
         ct(**prx_inputs(model, text=16), return_dict=False)
     assert not out.requires_grad
     assert caplog.text.count("runs inference only") == 1
+    ct.eval()
+    kw = prx_inputs(model, text=16)
+    kw["hidden_states"].requires_grad_()  # guidance through the latents: a gradient would be wrong
+    with pytest.raises(ConfigError, match="hidden_states requires grad, but a compiled transformer runs"):
+        ct(**kw, return_dict=False)
+    with torch.no_grad():
+        ct(**kw, return_dict=False)  # under no_grad, as pipelines call it: inference
+    ct(**{k: v.detach() for k, v in kw.items()}, return_dict=False)
     for make in (type(ct).from_pretrained, type(ct).from_config):
         with pytest.raises(ConfigError, match="cannot make a compiled transformer"):
             make("somewhere")

@@ -257,8 +257,12 @@ def _split(n):
         # a (2**20,) view of one element (4 MiB as the guard counts it: allowed), split into 2**20 views
         _split(2**20),
         _split(2**40),  # refused already at the view: 4 TiB as counted
+        [("operator.mul", [{"str": "a" * 20}, 2**26], {})],  # a string of 1.3 G characters
+        # a string doubled: 0.31 ran 25 doublings to a 2.2 GB peak, twice the work each (sized by running)
+        [("operator.add", [{"str": "a" * 20}, {"str": "a" * 20}], {})]
+        + [("operator.add", [{"ref": f"v{i}"}, {"ref": f"v{i}"}], {}) for i in range(30)],
     ],
-    ids=["list_2e31", "list_2e61", "split_2e20", "split_2e40"],
+    ids=["list_2e31", "list_2e61", "split_2e20", "split_2e40", "str_2e26", "str_doubled"],
 )
 def test_lists_and_splits_are_sized_before_anything_is_allocated(steps):
     """0.16 ran these until MemoryError at a 6 GiB cap: sizing a step on meta tensors still made the

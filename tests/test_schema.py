@@ -82,10 +82,10 @@ def test_engine_records_and_provenance_are_read_through_the_schema():
         with pytest.raises(s.SchemaError) as e:
             engine.check_engine_record(bad)
         assert e.value.path == path
-    assert _check_provenance({"c": ["p", "t"]}, {"p"}) == {"c": ("p", "t")}
+    assert _check_provenance({"c": ["p", "t"]}, {"p": 2}) == {"c": ("p", "t")}
     for bad in ({"c": ["p", "x"]}, {"c": ["q", "id"]}, {"c": "p"}, [["c", "p"]]):
         with pytest.raises(s.SchemaError, match="provenance"):
-            _check_provenance(bad, {"p"})
+            _check_provenance(bad, {"p": 2})
 
 
 def test_a_hostile_lora_record_is_a_lora_error_naming_the_field():

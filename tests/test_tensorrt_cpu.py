@@ -50,7 +50,7 @@ def test_constants_are_traced_to_parameters_by_value():
 
 
 def test_saved_provenance_is_validated():
-    params = {"blocks.0.attention.img_qkv_proj.weight"}
+    params = {"blocks.0.attention.img_qkv_proj.weight": 2, "blocks.0.attention.img_qkv_proj.bias": 1}
     ok = {
         "_frozen_param3": ["blocks.0.attention.img_qkv_proj.weight", "t"],
         "model.blocks.0.attention.img_qkv_proj.weight": ["blocks.0.attention.img_qkv_proj.weight", "id"],
@@ -60,6 +60,7 @@ def test_saved_provenance_is_validated():
         {"x": ["no.such.weight", "t"]},
         {"x": ["blocks.0.attention.img_qkv_proj.weight", "exec"]},
         {"x": [[1], "id"]},
+        {"x": ["blocks.0.attention.img_qkv_proj.bias", "t"]},  # only a matrix is transposed
         [],
     ):
         with pytest.raises(ValueError):

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .. import schema
-from ..errors import ArtifactError
+from ..errors import ArtifactError, excerpt
 from . import fast_read
 
 logger = logging.getLogger(__name__)
@@ -389,9 +389,7 @@ class Reader:
                     f"{self.root}: {rel} has {st.st_size} bytes, the manifest says {entry['bytes']} "
                     "(truncated or replaced)."
                 )
-            # mostly holes (a compressed file system shrinks real weights far less than 64x): hashing
-            # them would read zeros for hours
-            if st.st_size > 64 * 2**20 and st.st_blocks * 512 * 64 < st.st_size:
+            if schema.mostly_holes(st):
                 raise ArtifactError(
                     f"{self.root}: {rel} is a sparse file ({st.st_size} bytes, {st.st_blocks * 512} on "
                     "disk), which no save writes.",
@@ -535,7 +533,11 @@ def open_artifact(
     if digest is not None and not verify:
         raise ArtifactError("a digest pins the files only when they are verified: leave verify on.")
     root = Path(path)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as e:  # a name too long, a folder above it this user may not search
+        raise ArtifactError(f"{excerpt(str(root))} cannot be examined ({e.strerror}).") from e
+    if not is_dir:
         what = "a file, not a directory" if os.path.lexists(root) else "no such directory"
         raise ArtifactError(
             f"{root} is not a prx_compile artifact: {what}.",
@@ -567,7 +569,10 @@ def open_artifact(
 
 
 def _read_manifest_bytes(root: Path) -> bytes:
-    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:  # a directory this user may not read
+        raise ArtifactError(f"{root} cannot be opened ({e.strerror}).") from e
     try:
         try:
             fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
@@ -587,6 +592,8 @@ def _read_manifest_bytes(root: Path) -> bytes:
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ArtifactError(f"{root}/{MANIFEST} is {st.st_size} bytes: too large for a manifest.")
         return os.pread(fd, st.st_size, 0)
+    except OSError as e:
+        raise ArtifactError(f"{root}/{MANIFEST} cannot be read ({e.strerror}).") from e
     finally:
         os.close(fd)
 

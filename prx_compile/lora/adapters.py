@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .. import schema
-from ..errors import ConfigError, LoRAError, excerpt
+from ..errors import ConfigError, LoRAError, excerpt, one_line
 from ..models import spec_for
 from ..quant import fp8
 from ..runtime import follower
@@ -59,6 +59,13 @@ logger = logging.getLogger(__name__)
 _PEFT = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>A|B)(?:\.[^.]+)?\.weight$")
 _KOHYA = re.compile(r"^(?P<mod>.+?)\.lora_(?P<part>down|up)\.weight$")
 _ALPHA = re.compile(r"^(?P<mod>.+?)\.alpha$")
+_LORA_KEY = re.compile(r"lora|\.alpha$")  # any layout's LoRA matrices and alphas, before conversion
+#: what PEFT applies from a LoRA file and a compiled transformer does not: refused by name (as keys
+#: of no layer, they would be left out with the rest of the LoRA applied, or blamed on the layers)
+_UNSUPPORTED = (
+    (re.compile(r"lora_magnitude_vector"), "DoRA (lora_magnitude_vector)"),
+    (re.compile(r"\.lora_(?:B|up)(?:\.[^.]+)?\.bias$"), "a LoRA bias (lora_B.bias: PEFT's lora_bias)"),
+)
 _PREFIXES = ("transformer.", "base_model.model.", "model.diffusion_model.", "diffusion_model.")
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 _FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
@@ -260,14 +267,20 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
     cfg = folder / "adapter_config.json"
     config = config_scale(_json_file(cfg), str(cfg)) if folder.is_dir() and cfg.is_file() else None
     p = lora_file(folder)
+    unreadable = (SafetensorError, OSError, ValueError, RuntimeError, MemoryError)
+    try:
+        with safe_open(str(p), framework="pt") as f:  # the header alone: shapes before any tensor
+            raw = (f.metadata() or {}).get(ADAPTER_METADATA)
+            ranks = {k: _rank(k, f.get_slice(k).get_shape()) for k in f.keys()}
+    except unreadable as e:
+        raise _not_safetensors(p, e) from e
+    big = next((k for k, r in ranks.items() if r > MAX_RANK), None)
+    if big is not None:
+        raise LoRAError(f"{p}: {excerpt(big)} has rank {ranks[big]}, more than {MAX_RANK}: not a LoRA.")
     try:
         tensors = load_file(str(p))
-        with safe_open(str(p), framework="pt") as f:
-            raw = (f.metadata() or {}).get(ADAPTER_METADATA)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise LoRAError(
-            f"{p} is not a safetensors LoRA file ({e}).", "LoRAs load from .safetensors only."
-        ) from e
+    except unreadable as e:
+        raise _not_safetensors(p, e) from e
     if raw is not None:
         where = f"{p}: {ADAPTER_METADATA}"
         try:
@@ -287,6 +300,25 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, torch.Tensor], tuple[flo
     return tensors, config
 
 
+def _keys(keys: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``keys`` for a message, each cut to 80 characters."""
+    return "[" + ", ".join(excerpt(k, 80) for k in keys[:n]) + "]"
+
+
+def _not_safetensors(path: Path, e: BaseException) -> LoRAError:
+    return LoRAError(
+        f"{path} is not a safetensors LoRA file ({one_line(e)}).", "LoRAs load from .safetensors only."
+    )
+
+
+def _rank(key: str, shape: list[int]) -> int:
+    """The rank a LoRA matrix's shape gives (A/down: its rows; B/up: its columns); 0 for other keys."""
+    m = _PEFT.match(key) or _KOHYA.match(key)
+    if m is None or len(shape) != 2:
+        return 0
+    return shape[0] if m["part"] in ("A", "down") else shape[1]
+
+
 def lora_file(path: Path) -> Path:
     """The safetensors file of a LoRA: ``path``, or in a folder the one ``_FILES`` names first."""
     if path.is_dir():
@@ -296,6 +328,8 @@ def lora_file(path: Path) -> Path:
         path = found[0]
     if not path.is_file():
         raise LoRAError(f"LoRA file {path} does not exist.")
+    if schema.mostly_holes(path.stat()):
+        raise LoRAError(f"LoRA file {path} is a sparse file (mostly holes), which no LoRA trainer writes.")
     return path
 
 
@@ -396,6 +430,12 @@ def parse_lora(
             f"LoRA {name!r} ({source or 'state dict'}) has no lora_A/lora_B or lora_down/lora_up "
             "weights: it is not a LoRA."
         )
+    for pattern, what in _UNSUPPORTED:
+        key = next((k for k in state_dict if pattern.search(k)), None)
+        if key is not None:
+            raise LoRAError(
+                f"LoRA {name!r}: {what} is not supported on a compiled transformer ({excerpt(key)})."
+            )
     for key, t in state_dict.items():
         m = (_KOHYA if kohya else _PEFT).match(key)
         a = _ALPHA.match(key) if m is None else None
@@ -408,10 +448,16 @@ def parse_lora(
             continue
         if a is not None:
             if t.numel() != 1 or not t.is_floating_point() and t.dtype not in (torch.int32, torch.int64):
-                raise LoRAError(f"LoRA {name!r}: {key} must hold one number.")
+                raise LoRAError(f"LoRA {name!r}: {excerpt(key)} must hold one number.")
             alpha = float(t.double().reshape(-1)[0])
             if not math.isfinite(alpha):
-                raise LoRAError(f"LoRA {name!r}: {key} is {alpha}, not a finite number.")
+                raise LoRAError(f"LoRA {name!r}: {excerpt(key)} is {alpha}, not a finite number.")
+            if alpha == 0:  # diffusers' converters: a layer that does nothing; kohya's trainers: alpha = r
+                raise LoRAError(
+                    f"LoRA {name!r}: {excerpt(key)} is 0, which readers disagree on (no update, or "
+                    "alpha = r).",
+                    "set alpha to the rank for a scale of 1, or drop the .alpha keys.",
+                )
             if not abs(alpha) <= MAX_ALPHA:
                 raise LoRAError(
                     f"LoRA {name!r}: layer {mod} alpha {alpha:g} is beyond +-{MAX_ALPHA:g}.",
@@ -423,7 +469,7 @@ def parse_lora(
         else:
             part = "down" if m["part"] in ("A", "down") else "up"
             if not t.is_floating_point():
-                raise LoRAError(f"LoRA {name!r}: {key} is {t.dtype}, not a floating-point matrix.")
+                raise LoRAError(f"LoRA {name!r}: {excerpt(key)} is {t.dtype}, not a floating-point matrix.")
             seen = parts.setdefault(mod, {}).get(part)
             if seen is not None and not (seen.shape == t.shape and torch.equal(seen, t)):
                 raise LoRAError(
@@ -435,7 +481,7 @@ def parse_lora(
     if unmatched and strict:
         raise LoRAError(
             f"LoRA {name!r}: {len(unmatched)} key(s) match no Linear layer of the transformer, "
-            f"e.g. {unmatched[:5]}.",
+            f"e.g. {_keys(unmatched)}.",
             "pass strict=False to skip them (they are reported).",
         )
     layers = {}
@@ -462,6 +508,11 @@ def parse_lora(
         rank = down.shape[0]
         if rank == 0:
             raise LoRAError(f"LoRA {name!r}: layer {mod} has rank 0.")
+        if rank > min(lin.in_features, lin.out_features):  # adds nothing, costs rank-sized products
+            raise LoRAError(
+                f"LoRA {name!r}: layer {mod} has rank {rank}, more than its smaller side "
+                f"({min(lin.in_features, lin.out_features)}): not a low-rank update."
+            )
         for label, t in (("A/down", down), ("B/up", up)):
             if not bool(torch.isfinite(t).all()):
                 raise LoRAError(f"LoRA {name!r}: layer {mod} matrix {label} holds NaN or infinite values.")
@@ -477,7 +528,7 @@ def parse_lora(
         layers[mod] = LoRALayer(down.to(dev, torch.float32), up.to(dev, torch.float32), scale)
     if not layers:
         raise LoRAError(
-            f"LoRA {name!r}: no layer of the transformer matched.", f"first keys: {unmatched[:5]}"
+            f"LoRA {name!r}: no layer of the transformer matched.", f"first keys: {_keys(unmatched)}"
         )
     return Adapter(name, layers, unmatched, source)
 
@@ -736,7 +787,11 @@ def _converted(transformer: torch.nn.Module, lora: Any, name: str) -> Any:
     if not isinstance(lora, dict) or not all(isinstance(v, torch.Tensor) for v in lora.values()):
         return lora  # parse_lora names what is wrong
     # 8-bit floats (an FP8 LoRA file): fp32 before any arithmetic (the matrices are kept in fp32)
-    lora = {k: v.float() if v.is_floating_point() and v.element_size() == 1 else v for k, v in lora.items()}
+    # (a LoRA's keys only: what matches no layer is left out anyway, and would take 4 times its bytes)
+    lora = {
+        k: v.float() if v.is_floating_point() and v.element_size() == 1 and _LORA_KEY.search(k) else v
+        for k, v in lora.items()
+    }
     try:
         spec = spec_for(transformer)
     except ConfigError:

@@ -33,6 +33,8 @@ diffusers (model; a pipeline's call them)    on a compiled transformer
 ``enable_lora_hotswap``, ``hotswap=True``    unfuse, save, add or swap; a pipeline's
                                              ``unfuse_lora`` calls none of them: it does
                                              nothing)
+``fuse_qkv_projections``                     diffusers', refused while a LoRA is loaded (the
+                                             fused layers would copy its share as their base)
 ===========================================  ==============================================
 
 A pipeline's ``get_active_adapters`` looks for PEFT layers in the modules: it returns [] here
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, LoRAError
+from ..errors import ConfigError, LoRAError, excerpt
 from . import adapters as lora
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,11 @@ class DiffusersLoRA:
             kwargs.pop(arg, None)
         if kwargs:
             raise ConfigError(f"load_lora_adapter: unknown arguments {sorted(kwargs)[:5]}.")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise LoRAError(
+                f"load_lora_adapter: metadata (the file's lora_adapter_metadata) is a "
+                f"{type(metadata).__name__}, not a JSON object."
+            )
         if alphas and metadata:
             raise ConfigError(
                 "load_lora_adapter: network_alphas and metadata cannot both be given (as diffusers)."
@@ -118,10 +125,6 @@ class DiffusersLoRA:
         if not state:  # a LoRA of the text encoders only: theirs to load (diffusers says the same)
             logger.warning("no LoRA keys for the transformer with prefix %r: nothing loaded into it", prefix)
             return
-        if any("lora_magnitude_vector" in k for k in state):
-            raise LoRAError(
-                "load_lora_adapter: DoRA (lora_magnitude_vector) is not supported on a compiled transformer."
-            )
         # as diffusers: alpha only from network_alphas or metadata (its loader leaves .alpha keys unread)
         state = {k: v for k, v in state.items() if not k.endswith(".alpha")}
         if alphas:
@@ -138,7 +141,7 @@ class DiffusersLoRA:
                 "LoRA %r: %d key(s) match no Linear layer of the transformer and were left out, e.g. %s",
                 name,
                 len(report["unmatched"]),
-                report["unmatched"][:3],
+                [excerpt(k, 80) for k in report["unmatched"][:3]],
             )
 
     def set_adapters(self, adapter_names: str | list[str], weights: Any = None) -> None:
@@ -196,6 +199,18 @@ class DiffusersLoRA:
         )
 
     unfuse_lora = save_lora_adapter = add_adapter = enable_lora_hotswap = fuse_lora
+
+    def fuse_qkv_projections(self) -> None:
+        """diffusers' (each attention's q/k/v weights copied into one new layer); refused while a LoRA
+        is loaded: the copy would take the LoRA's share as the new layer's base, which no LoRA
+        operation could take out again."""
+        if lora.loaded(self):
+            raise LoRAError(
+                "fuse_qkv_projections: a LoRA is loaded, and the fused layers would copy its share into "
+                "their base weights (unload_lora could not take it out).",
+                "unload_lora first, or fuse the projections before loading the LoRA.",
+            )
+        self.transformer.fuse_qkv_projections()
 
 
 def _number(value: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import Collection
 from typing import Any
@@ -393,8 +394,8 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
         img_ids, txt_ids, guidance) and ``return_dict``; the same prediction."""
         return_dict = kwargs.get("return_dict", True)
         _refuse_peft_layers(self.transformer)
-        if torch.is_grad_enabled() and self.transformer.training and not self._grad_warned:
-            self._warn_no_grad()
+        if torch.is_grad_enabled():
+            self._check_grad(args, kwargs)
         with torch.no_grad():
             inputs = self._inputs(args, kwargs)
             out = self._replay_ahead(inputs)
@@ -407,10 +408,27 @@ class CompiledTransformer(_Refused, DiffusersLoRA, torch.nn.Module):
 
         return Transformer2DModelOutput(sample=out)
 
+    def _check_grad(self, args: tuple, kwargs: dict) -> None:
+        """Called with autograd on; the engines run inference only. An input that asks for a gradient
+        is refused (a loss that also reads that input would get a gradient without the transformer's
+        share, silently). In training mode, where the weights ask for gradients, a warning once
+        that none flow to them. A call in eval mode (diffusers' ``from_pretrained`` gives one) without
+        ``torch.no_grad()`` is inference."""
+        for key, value in itertools.chain(enumerate(args), kwargs.items()):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                what = key if isinstance(key, str) else f"positional argument {key}"
+                raise ConfigError(
+                    f"{what} requires grad, but a compiled transformer runs inference only: no gradient "
+                    "would flow back through it.",
+                    "call it under torch.no_grad() or detach the input; for gradients, call the eager "
+                    "transformer (compiled.transformer).",
+                )
+        if self.transformer.training and not self._grad_warned:
+            self._warn_no_grad()
+
     def _warn_no_grad(self) -> None:
-        """Called in training mode with autograd on: where the transformer's weights ask for
-        gradients, say once that none flow (the engines run inference only). A call in eval mode
-        (diffusers' ``from_pretrained`` gives one) without ``torch.no_grad()`` is inference."""
+        """Training mode with autograd on: where the transformer's weights ask for gradients, say once
+        that none flow (the engines run inference only)."""
         if any(p.requires_grad for p in self.transformer.parameters()):
             logger.warning(
                 "the compiled transformer runs inference only: its output carries no gradient (call it "

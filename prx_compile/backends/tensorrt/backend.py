@@ -262,8 +262,9 @@ class TensorRTBackend(Backend):
         if meta["weights"] != config.weights:
             raise ValueError(f"weights={meta['weights']!r} does not match the config's {config.weights!r}")
         records = meta["engines"]
-        params = set(weight_tensors(model))
-        provenance = _check_provenance(meta["provenance"], params)
+        tensors = weight_tensors(model)
+        params = set(tensors)
+        provenance = _check_provenance(meta["provenance"], {n: t.dim() for n, t in tensors.items()})
         program = Program.from_json(
             meta["program"],
             engines=set(records),
@@ -406,7 +407,14 @@ class TensorRTBackend(Backend):
                 "compile with weights='inputs' (the default): engines then read the parameters directly.",
             )
         for module, updates in progress.items(plans, "refit engines"):
-            engine.refit_weights(module, updates)
+            try:
+                engine.refit_weights(module, updates)
+            except RuntimeError as e:  # sizes a record read from disk got wrong; built here, none
+                raise ArtifactError(
+                    f"the engines' weights could not be refit ({one_line(e)}): their records do not "
+                    "match this model.",
+                    "load the artifact with rebuild=True.",
+                ) from e
         self.refits += 1
         return {
             "refit_s": time.perf_counter() - t0,
@@ -460,12 +468,16 @@ def _cuda_device(name: str) -> torch.device:
 _PROVENANCE_ENTRY = schema.Tuple(schema.Str(299), schema.Str(2, choices=("id", "t")))
 
 
-def _check_provenance(data: Any, params: set[str]) -> dict[str, tuple[str, str]]:
-    """Engine constant name -> (the parameter it holds, "id" or "t" for transposed)."""
+def _check_provenance(data: Any, dims: dict[str, int]) -> dict[str, tuple[str, str]]:
+    """Engine constant name -> (the parameter it holds, "id" or "t" for transposed); ``dims``: the
+    model's parameters (and buffers) by name -> their number of dimensions (only a matrix is
+    transposed)."""
     schema.check(schema.Map(schema.Str(299), _PROVENANCE_ENTRY, max_len=100_000), data, "provenance")
-    for k, (param, _) in data.items():
-        if param not in params:
+    for k, (param, how) in data.items():
+        if param not in dims:
             raise schema.SchemaError(f"provenance[{k[:80]!r}]", "a parameter of this model", param)
+        if how == "t" and dims[param] != 2:
+            raise schema.SchemaError(f"provenance[{k[:80]!r}]", "a matrix, to be transposed", param)
     return {k: (v[0], v[1]) for k, v in data.items()}
 
 

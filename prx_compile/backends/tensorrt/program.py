@@ -397,10 +397,10 @@ class _Guard:
 
 
 def _count_items(fn: Callable, args: list, kwargs: dict) -> None:
-    """ValueError where a step would make more than ``MAX_ITEMS`` Python objects, worked out from its
-    arguments alone: a list repeated (``operator.mul``) or joined (``operator.add``), a tensor split
-    into views (``aten.split.Tensor``)."""
-    seqs = [a for a in args if isinstance(a, (list, tuple))]
+    """ValueError where a step would make more than ``MAX_ITEMS`` Python objects (a string: characters),
+    worked out from its arguments alone: a list or string repeated (``operator.mul``) or joined
+    (``operator.add``), a tensor split into views (``aten.split.Tensor``)."""
+    seqs = [a for a in args if isinstance(a, (list, tuple, str))]
     if fn is operator.mul and seqs:
         times = next((a for a in args if isinstance(a, int) and not isinstance(a, bool)), 1)
         n = len(seqs[0]) * max(times, 0)
