@@ -160,6 +160,9 @@ def test_a_hook_or_processor_on_one_block_is_traced_in_that_block_only():
     mlp = third.blocks[2].down_proj
     mlp.forward = lambda x: torch.nn.Linear.forward(mlp, x) * 0.5
     assert "replaced forwards" in why_not(third, PRX, "inputs")
+    fourth = make_prx({**_tiny(), "depth": 3})
+    fourth.blocks[1].attention.norm_q.eps = 0.1  # a constant of the graph: block 0's would stand for it
+    assert "differ in a setting" in why_not(fourth, PRX, "inputs")
     ep, names = export_step(third, kw, weights="inputs")
     with torch.no_grad():
         out = ep.module()(**kw, weights=[weight_tensors(third)[n] for n in names])

@@ -293,6 +293,35 @@ def test_a_forward_replaced_on_a_module_after_a_build_is_followed(caplog):
     assert ct.builds == 4
 
 
+def test_a_setting_changed_after_a_build_is_followed(caplog):
+    """An export bakes a module's plain settings into the graph (a norm's eps, RoPE's theta): one
+    changed after a build rebuilds the set, with a warning naming it, and a block whose setting
+    differs from the others' is traced by itself (0.31 ran the old values, silently: 1.6e-1 off
+    after ``norm_out.norm.eps = 0.1`` on FLUX.1). ``.train()`` / ``.eval()`` rebuild nothing."""
+    model = make_prx()
+    ct = compiled(model)
+    step(ct, model)
+    with caplog.at_level(logging.WARNING, logger="prx_compile.runtime"):
+        for edit, name in (
+            (lambda: setattr(model.pe_embedder, "theta", 1000), "pe_embedder.theta"),
+            (lambda: setattr(model.blocks[1].attention.norm_q, "eps", 0.1), "blocks.1.attention.norm_q.eps"),
+            (
+                lambda: setattr(model.blocks[0].post_attention_layernorm, "eps", 0.1),
+                "blocks.0.post_attention_layernorm.eps",
+            ),
+            (lambda: setattr(model.final_layer.norm_final, "eps", 0.1), "final_layer.norm_final.eps"),
+        ):
+            edit()
+            out, ref = step(ct, model)
+            assert float((out - ref).norm() / ref.norm()) < 1e-5
+            assert f"settings changed: {name}" in caplog.text
+    builds = ct.builds
+    model.train()
+    model.eval()
+    step(ct, model)
+    assert ct.builds == builds
+
+
 def test_a_replaced_parameter_is_read_with_weights_held_by_the_sets(caplog):
     """``weights: engine`` on the eager backend: the sets hold the parameters themselves, so a
     replaced one (``module.weight = Parameter``, ``load_state_dict(assign=True)``) rebuilds them."""

@@ -20,11 +20,11 @@ inputs, up to which alias of an input each block reads (a full export chains ``m
 block to block; the copies read the input). ``tests/test_export_repeat.py`` compares the two node by
 node and their outputs (after ``prepare``, the last copy keeps that unread output's nodes, which a
 prepared full export drops: ``export_step`` drops them too). Where the model is not one this applies
-to, it says why and returns None, and
-the caller exports in full: weights baked into the graph (``weights="engine"``), a list of fewer than
-two blocks, blocks whose parameters differ in names, shapes or dtypes, blocks with forward hooks or
-different attention processors (an export traces them), a block called with positional carried
-tensors, or a block value used after the block.
+to, it says why and returns None, and the caller exports in full: weights baked into the graph
+(``weights="engine"``), a list of fewer than two blocks, blocks whose parameters differ in names,
+shapes or dtypes, blocks with forward hooks or different attention processors (an export traces them)
+or different plain settings (an eps: baked in), a block called with positional carried tensors, or a
+block value used after the block.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from torch.utils import _pytree as pytree
 
 from ..models import ModelSpec
+from .step import settings
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
         tensors = [*block.named_parameters(), *block.named_buffers()]
         return [(name, tuple(t.shape), t.dtype) for name, t in tensors]
 
+    def plain_settings(block: torch.nn.Module) -> list[tuple[str, dict[str, Any]]]:
+        return [(name, settings(m)) for name, m in block.named_modules()]
+
     def processors(block: torch.nn.Module) -> list[tuple[str, type]]:
         return [(name, type(m.__dict__.get("processor"))) for name, m in block.named_modules()]
 
@@ -123,6 +127,9 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
             return f"blocks of {bl.attr} have replaced forwards"
         if any(processors(b) != processors(blocks[0]) for b in blocks):
             return f"the blocks of {bl.attr} differ in their attention processors"
+        # an export bakes plain settings in as constants (a norm's eps): block 0's would stand for all
+        if any(plain_settings(b) != plain_settings(blocks[0]) for b in blocks):
+            return f"the blocks of {bl.attr} differ in a setting (an eps, a theta, ...)"
     return None
 
 
