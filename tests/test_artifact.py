@@ -360,6 +360,39 @@ def test_a_module_an_artifact_could_not_hold_is_refused_before_saving(tmp_path):
     assert not (tmp_path / "art").exists() and not ct.is_built  # refused before any build
 
 
+def test_what_load_compiled_would_not_make_again_is_refused_before_saving(tmp_path):
+    """load_compiled constructs the model from its config: a processor, a hook or a setting changed
+    on the transformer would be gone after a load (0.31 saved without them, silently: 1.6e-1 off
+    after ``norm_out.norm.eps = 0.1`` on FLUX.1). Undone, the module saves."""
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **RANGE)
+    attention = model.blocks[1].attention
+
+    class Mine(type(attention.processor)):
+        pass
+
+    plain = attention.processor
+    handle = model.blocks[0].register_forward_hook(lambda m, a, out: out)
+    for edit, undo, match in (
+        (lambda: None, handle.remove, r"blocks\.0 \(hooks, forward or processor\)"),
+        (
+            lambda: attention.set_processor(Mine()),
+            lambda: attention.set_processor(plain),
+            r"blocks\.1\.attention \(",
+        ),
+        (
+            lambda: setattr(model.final_layer.norm_final, "eps", 0.1),
+            lambda: setattr(model.final_layer.norm_final, "eps", 1e-6),
+            r"final_layer\.norm_final\.eps",
+        ),
+    ):
+        edit()
+        with pytest.raises(ArtifactError, match=f"cannot hold what was changed on this transformer.*{match}"):
+            save_compiled(ct, tmp_path / "art")
+        undo()
+    save_compiled(ct, tmp_path / "art")
+
+
 def test_every_engine_set_a_loaded_module_can_build_is_held_to_the_disk_limits(artifact):
     """Without saved sets the module builds what the manifest's config plans: those are held to the
     limits of a set read from disk (0.26 let ``"sets": []`` ask for a 65536² latent, 17.6 TB)."""

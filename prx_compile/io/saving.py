@@ -33,6 +33,7 @@ from ..errors import ArtifactError, BackendUnavailableError, ConfigError, LoRAEr
 from ..models import ModelSpec, spec_of_class
 from ..plan import Plan
 from ..runtime.module import CompiledTransformer, assemble
+from ..runtime.watch import differences
 from ..shapes import ShapeRange
 from . import artifact
 from .artifact import field
@@ -67,6 +68,13 @@ def save_compiled(module: CompiledTransformer, path: str | os.PathLike) -> Path:
                 f"this module plans an engine set beyond what an artifact may hold ({e}).",
                 "compile with smaller shapes (batch, resolution, text_len) to save it.",
             ) from e
+    edits = differences(transformer, spec.construct(_model_config(transformer)))
+    if edits:  # load_compiled constructs the model from its config: these would be gone, silently
+        raise ArtifactError(
+            f"an artifact cannot hold what was changed on this transformer since it was constructed: "
+            f"{', '.join(edits[:3])}{f' and {len(edits) - 3} more' if len(edits) > 3 else ''}.",
+            "undo them before saving and set them again on the loaded module.",
+        )
     module.build()
     cfg = module.compile_config
     originals, lora_tensors, lora_record = lora.export_state(transformer)

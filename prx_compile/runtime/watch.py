@@ -100,6 +100,30 @@ def signature(model: torch.nn.Module) -> Signature:
     )
 
 
+def differences(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """What an export of ``model`` would trace that ``reference`` (the same class as constructed) has
+    not, one entry per module: hooks, a forward set on the module or another processor type
+    ("<module> (hooks, forward or processor)"), and each plain setting that differs ("<module>.<name>").
+    Modules ``reference`` lacks or has of another type (FP8's layers) are passed over; the library's
+    own hooks too."""
+    internal = model.__dict__.get(INTERNAL_HOOKS, ())
+    ref = dict(reference.named_modules())
+    out = []
+    for name, m in model.named_modules():
+        r = ref.get(name)
+        if r is None or type(r) is not type(m):
+            continue
+        if _kinds(_traced(m, internal)) != _kinds(_traced(r, ())):
+            out.append(f"{name or 'the transformer'} (hooks, forward or processor)")
+        a, b = settings(m), settings(r)
+        out += [
+            f"{name or 'the transformer'}.{k}"
+            for k in sorted(a.keys() | b.keys())
+            if a.get(k, _GONE) != b.get(k, _GONE)
+        ]
+    return out
+
+
 @dataclass
 class Changes:
     """What differs between two signatures. ``structure``: what engines were built for (names, shapes,
