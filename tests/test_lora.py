@@ -628,3 +628,24 @@ def test_casts_and_saves_see_every_write_made_since_the_last_call(tmp_path):
     ct.save_pretrained(tmp_path / "saved")
     saved = load_file(str(next((tmp_path / "saved").glob("*.safetensors"))))
     assert torch.equal(saved[w], model.get_parameter(w)) and not torch.equal(saved[w], x)
+
+
+def test_an_edit_of_a_weight_holding_a_loras_share_is_said(caplog):
+    """A weight an active adapter changed holds base + share: ``mul_(2)`` doubles both, and the
+    result is the new base (``docs/semantics.md``), where PEFT would double the base alone. 0.31
+    took it silently; a write of the value that runs is no edit and says nothing."""
+    import logging
+
+    model = make_prx()
+    ct = compile_prx(model, backend="eager", **RANGE)
+    load_lora(ct, make_random_lora(model, 4, seed=1), "a")
+    kw = prx_inputs(model)
+    ct(**kw, return_dict=False)
+    with caplog.at_level(logging.WARNING, logger="prx_compile.lora"):
+        model.load_state_dict(model.state_dict())
+        ct(**kw, return_dict=False)
+        assert "holding a LoRA's share" not in caplog.text
+        with torch.no_grad():
+            model.blocks[0].up_proj.weight.mul_(2)
+        ct(**kw, return_dict=False)
+    assert "1 weight(s) holding a LoRA's share were written (blocks.0.up_proj.weight)" in caplog.text

@@ -176,7 +176,7 @@ class LoRAKeeper:
             return set()
         params = dict(self.transformer.named_parameters())
         modules = dict(self.transformer.named_modules())
-        rebased, gone = set(), []
+        rebased, gone, under = set(), [], []
         for fqn, base in list(state.originals.items()):
             p = params.get(fqn)
             if p is None or p.shape != base.shape:
@@ -191,11 +191,21 @@ class LoRAKeeper:
             )
             if via is None:
                 state.originals[fqn] = _kept(p)  # a new base value (whatever its dtype)
+                if fqn in state.fused:  # it held the LoRA's share: an edit of it edits that share too
+                    under.append(fqn)
             elif (via, p.dtype, p.device) == (base.dtype, base.dtype, base.device):
                 continue  # written again as it was (or a copy put in its place)
             else:  # the base follows the cast or the move
                 state.originals[fqn] = base.to(p.device, via).to(p.dtype)
             rebased.add(fqn)
+        if under:
+            logger.warning(
+                "%d weight(s) holding a LoRA's share were written (%s): the written values are their new "
+                "base, with the active adapters applied over them (a relative edit such as mul_ scaled the "
+                "LoRA's share as well; under PEFT it would edit the base alone).",
+                len(under),
+                ", ".join(under[:3]),
+            )
         if gone and not drop_gone:
             raise LoRAError(
                 f"weights a loaded LoRA changes were removed or reshaped ({', '.join(gone[:3])}): the LoRA "
