@@ -44,9 +44,25 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from torch.utils import _pytree as pytree
 
 from ..models import ModelSpec
-from .step import settings
 
 logger = logging.getLogger(__name__)
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _SCALARS) or (
+        isinstance(value, tuple) and len(value) <= 16 and all(isinstance(x, _SCALARS) for x in value)
+    )
+
+
+def settings(m: torch.nn.Module) -> dict[str, Any]:
+    """A module's plain settings: its public attributes that hold a number, a string, None or a short
+    tuple of those (an ``eps``, RoPE's ``theta``, ``head_dim``, ``normalized_shape``), which an export
+    bakes into the graph as constants; ``training`` left out (the engines run inference whatever it
+    says)."""
+    return {k: v for k, v in m.__dict__.items() if k[0] != "_" and k != "training" and _plain(v)}
 
 
 @torch.library.custom_op("prx_compile::block_boundary", mutates_args=())
@@ -129,7 +145,7 @@ def why_not(model: torch.nn.Module, spec: ModelSpec, weights: str) -> str | None
             return f"the blocks of {bl.attr} differ in their attention processors"
         # an export bakes plain settings in as constants (a norm's eps): block 0's would stand for all
         if any(plain_settings(b) != plain_settings(blocks[0]) for b in blocks):
-            return f"the blocks of {bl.attr} differ in a setting (an eps, a theta, ...)"
+            return f"the blocks of {bl.attr} differ in a setting (a norm's epsilon, ...)"
     return None
 
 

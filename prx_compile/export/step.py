@@ -53,23 +53,6 @@ def weight_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
-def _plain(value: Any) -> bool:
-    return isinstance(value, _SCALARS) or (
-        isinstance(value, tuple) and len(value) <= 16 and all(isinstance(x, _SCALARS) for x in value)
-    )
-
-
-def settings(m: torch.nn.Module) -> dict[str, Any]:
-    """A module's plain settings: its public attributes that hold a number, a string, None or a short
-    tuple of those (an ``eps``, RoPE's ``theta``, ``head_dim``, ``normalized_shape``), which an export
-    bakes into the graph as constants; ``training`` left out (the engines run inference whatever it
-    says)."""
-    return {k: v for k, v in m.__dict__.items() if k[0] != "_" and k != "training" and _plain(v)}
-
-
 class Step(torch.nn.Module):
     """What ``export_step`` exports: one transformer step, the model's output tensor.
 
