@@ -12,8 +12,8 @@ set's 8.2-14.1 s (``peers_v21_prx_bf16_h200.json``) and 1.05-6.3 s at 7B
 For the 1.17 B and the 7B PRX's gates (x (M, K) by the gate's weight (N, K), M at 1024² b2, 1024² b1
 and 832x1216 b2, in the order a process meets its engine sets), each mode in a new process:
   per_shape      what ``cudnn_gemm`` does: one graph per shape
-  kernel_cache   the same graphs sharing one ``cudnn.create_kernel_cache()``
-  dynamic        the same with ``is_dynamic_shape_enabled=True``
+  dynamic        the same graphs with ``is_dynamic_shape_enabled=True``, sharing one
+                 ``cudnn.create_kernel_cache()`` (the frontend takes a kernel cache only so)
 Per shape: the graph's seconds (validate to check_support), the plan count, and per plan index its
 build seconds and ms per call (20 calls between two CUDA events, the least of 3); the plan
 ``_fastest`` would pick, plan 0's time over it, and the picked plan's relative error against the
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import kernel_ms  # noqa: E402  (benchmarks/common.py)
 
-MODES = ("per_shape", "kernel_cache", "dynamic")
+MODES = ("per_shape", "dynamic")
 SIZES = {"prx_1.17b": (1792, 6272), "pixel_7b": (3072, 10752)}  # (K: hidden, N: the MLP's width)
 ROWS = {"1024x1024_b2": 8192, "1024x1024_b1": 4096, "832x1216_b2": 7904}  # image tokens a step
 
@@ -110,10 +110,8 @@ def child(mode: str, size: str) -> dict:
     result: dict = {"cudnn": cudnn.backend_version(), "import_s": round(time.perf_counter() - t0, 3)}
     options: dict = {}
     try:
-        if mode != "per_shape":
-            options["kernel_cache"] = cudnn.create_kernel_cache()
         if mode == "dynamic":
-            options["is_dynamic_shape_enabled"] = True
+            options.update(kernel_cache=cudnn.create_kernel_cache(), is_dynamic_shape_enabled=True)
     except Exception as e:  # noqa: BLE001 (recorded: a frontend without kernel caches)
         return {**result, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     k, n = SIZES[size]

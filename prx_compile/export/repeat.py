@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 _SCALARS = (int, float, bool, str, type(None))
+#: public attributes that change no export: ``training`` (the engines run inference whatever it says)
+#: and diffusers' ``gradient_checkpointing`` (it acts only with autograd on; an export runs without)
+NOT_SETTINGS = frozenset({"training", "gradient_checkpointing"})
 
 
 def _plain(value: Any) -> bool:
@@ -60,9 +63,8 @@ def _plain(value: Any) -> bool:
 def settings(m: torch.nn.Module) -> dict[str, Any]:
     """A module's plain settings: its public attributes that hold a number, a string, None or a short
     tuple of those (an ``eps``, RoPE's ``theta``, ``head_dim``, ``normalized_shape``), which an export
-    bakes into the graph as constants; ``training`` left out (the engines run inference whatever it
-    says)."""
-    return {k: v for k, v in m.__dict__.items() if k[0] != "_" and k != "training" and _plain(v)}
+    bakes into the graph as constants; ``NOT_SETTINGS`` left out."""
+    return {k: v for k, v in m.__dict__.items() if k[0] != "_" and k not in NOT_SETTINGS and _plain(v)}
 
 
 @torch.library.custom_op("prx_compile::block_boundary", mutates_args=())

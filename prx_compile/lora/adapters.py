@@ -201,8 +201,8 @@ class LoRAKeeper:
         if under:
             logger.warning(
                 "%d weight(s) holding a LoRA's share were written (%s): the written values are their new "
-                "base, with the active adapters applied over them (a relative edit such as mul_ scaled the "
-                "LoRA's share as well; under PEFT it would edit the base alone).",
+                "base, the active adapters applied over them (as PEFT for new values, load_state_dict's; "
+                "a relative edit such as mul_ scaled the LoRA's share too, where PEFT edits the base alone).",
                 len(under),
                 ", ".join(under[:3]),
             )
@@ -518,11 +518,6 @@ def parse_lora(
         rank = down.shape[0]
         if rank == 0:
             raise LoRAError(f"LoRA {name!r}: layer {mod} has rank 0.")
-        if rank > min(lin.in_features, lin.out_features):  # adds nothing, costs rank-sized products
-            raise LoRAError(
-                f"LoRA {name!r}: layer {mod} has rank {rank}, more than its smaller side "
-                f"({min(lin.in_features, lin.out_features)}): not a low-rank update."
-            )
         for label, t in (("A/down", down), ("B/up", up)):
             if not bool(torch.isfinite(t).all()):
                 raise LoRAError(f"LoRA {name!r}: layer {mod} matrix {label} holds NaN or infinite values.")

@@ -208,7 +208,8 @@ class DiffusersLoRA:
             raise LoRAError(
                 "fuse_qkv_projections: a LoRA is loaded, and the fused layers would copy its share into "
                 "their base weights (unload_lora could not take it out).",
-                "unload_lora first, or fuse the projections before loading the LoRA.",
+                "unload_lora first (a LoRA loaded after the fusion changes q/k/v layers the fused "
+                "attention no longer reads, as in eager diffusers).",
             )
         self.transformer.fuse_qkv_projections()
 

@@ -59,7 +59,7 @@ class FP8Linear(torch.nn.Linear):
         q, scale = quantize_weight(linear.weight)
         module.register_buffer("weight_fp8", q, persistent=False)
         module.register_buffer("weight_scale", scale, persistent=False)
-        module.quantized_version = linear.weight._version
+        module._quantized_version = linear.weight._version
         module.train(linear.training)
         return module
 
@@ -79,12 +79,12 @@ class FP8Linear(torch.nn.Linear):
                 self.weight_scale.copy_(scale)
         else:
             self.weight_fp8, self.weight_scale = q, scale
-        self.quantized_version = self.weight._version
+        self._quantized_version = self.weight._version
 
     def refresh(self) -> None:
         """``requantize`` if ``weight`` changed in place since the last quantisation (PyTorch's
         version counter: ``copy_``, ``load_state_dict``; not writes through ``.data``)."""
-        if self.weight._version != self.quantized_version:
+        if self.weight._version != self._quantized_version:
             self.requantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ def place_masters(transformer: torch.nn.Module, where: str) -> int:
             continue
         with torch.no_grad():
             weight.data = data
-        module.quantized_version = weight._version  # the values are the ones quantised
+        module._quantized_version = weight._version  # the values are the ones quantised
         moved += 1
     if moved and where == "host" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the masters' device blocks go back to the driver (and TensorRT)

@@ -116,11 +116,8 @@ def differences(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]
         if _kinds(_traced(m, internal)) != _kinds(_traced(r, ())):
             out.append(f"{name or 'the transformer'} (hooks, forward or processor)")
         a, b = settings(m), settings(r)
-        out += [
-            f"{name or 'the transformer'}.{k}"
-            for k in sorted(a.keys() | b.keys())
-            if a.get(k, _GONE) != b.get(k, _GONE)
-        ]
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k, _GONE) != b.get(k, _GONE))
+        out += [f"{name}.{k}" if name else k for k in keys]
     return out
 
 
@@ -192,7 +189,7 @@ def changes(old: Signature, new: Signature) -> Changes:
     for n in sorted(old.settings.keys() & new.settings.keys()):
         a, b = dict(old.settings[n]), dict(new.settings[n])
         keys = [k for k in a.keys() | b.keys() if a.get(k, _GONE) != b.get(k, _GONE)]
-        edited += [f"{n or 'the transformer'}.{k}" for k in sorted(keys)]
+        edited += [f"{n}.{k}" if n else k for k in sorted(keys)]
     if edited:
         out.structure.append(f"settings changed: {_some(edited)}")
     return out

@@ -409,11 +409,10 @@ class TensorRTBackend(Backend):
         for module, updates in progress.items(plans, "refit engines"):
             try:
                 engine.refit_weights(module, updates)
-            except RuntimeError as e:  # sizes a record read from disk got wrong; built here, none
+            except RuntimeError as e:  # a record read from disk that does not match the engines
                 raise ArtifactError(
-                    f"the engines' weights could not be refit ({one_line(e)}): their records do not "
-                    "match this model.",
-                    "load the artifact with rebuild=True.",
+                    f"the engines' weights could not be refit ({one_line(e)}).",
+                    "a module loaded from an artifact: load it with rebuild=True.",
                 ) from e
         self.refits += 1
         return {
