@@ -1132,3 +1132,15 @@ def test_a_path_too_long_to_examine_is_an_artifact_error(fn):
     """0.31 let the OSError of ``Path.is_dir`` through (a name over 255 bytes)."""
     with pytest.raises(ArtifactError, match="cannot be examined"):
         fn("a" * 5000)
+
+
+def test_weights_larger_than_the_free_memory_are_refused_before_they_are_made(artifact, monkeypatch):
+    """An artifact's tensors are allocated before their bytes are checked: a file of 128 GiB with 2
+    GiB on disk passes the sparse check and would take the host's memory. Refused first, in one line."""
+    from prx_compile.io import artifact as artifact_module
+
+    monkeypatch.setattr(artifact_module, "available_bytes", lambda device: 1024)
+    with pytest.raises(
+        ArtifactError, match=r"weights\.safetensors holds .* GiB, more than the 0\.0 GiB free"
+    ):
+        load_compiled(artifact)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prx_compile import PRXCompileError
+from prx_compile import ConfigError, PRXCompileError
 
 from ._cli import run_cli as run
 
@@ -468,3 +468,26 @@ def test_lora_files_on_the_command_line(tmp_path):
     one_line_error(run(*base, "--lora", str(tmp_path / "none.safetensors")), "does not exist")
     r = run(*base, "--lora", f"{lora}:1e9")  # argparse's own error line
     assert r.returncode == 2 and "the LoRA scale must be a number from -100 to 100" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "index,match",
+    [
+        ('{"_class_name": "PRXPipeline", "x": "' + "a" * (1 << 16) + '"}', "more than 65536 bytes"),
+        (
+            '{"_class_name": "PRXPipeline", "default_sample_size": 1e300}',
+            "default_sample_size 1e[+]300 is not",
+        ),
+        ('{"_class_name": "PRXPipeline", "default_sample_size": true}', "default_sample_size True is not"),
+    ],
+)
+def test_a_hostile_model_index_is_one_line(tmp_path, index, match):
+    """A checkpoint folder's model_index.json is read bounded, and the sample size it gives the
+    pipeline is checked (0.31 read any size and passed any value on)."""
+    from prx_compile.tools.pipeline import load_pipeline
+
+    (tmp_path / "model_index.json").write_text(index)
+    for name in ("transformer", "scheduler", "text_encoder", "tokenizer"):
+        (tmp_path / name).mkdir()
+    with pytest.raises(ConfigError, match=match):
+        load_pipeline(tmp_path)

@@ -457,6 +457,13 @@ class Reader:
         kind = self._kind(rel) if rel in self.unverified else None  # None: nothing to check
         sums = self.files[rel][kind] if kind else None
         called: list[bool] = []
+        need, free = self.files[rel]["bytes"], available_bytes(torch.device(device))
+        if free is not None and need > free:  # the file's tensors are made before a byte is checked
+            raise ArtifactError(
+                f"{self.root}: {rel} holds {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "
+                f"free on {device}.",
+                "free memory, or load it where there is more.",
+            )
 
         def start() -> None:
             if ready is not None and not called:
@@ -487,7 +494,7 @@ class Reader:
             if str(e).startswith(str(self.root)):  # named already (``_match``)
                 raise
             raise fast_read.HashMismatch(f"{self.root}: {rel} {e}") from e
-        except (SafetensorError, ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
+        except (SafetensorError, ValueError, OSError, RuntimeError, KeyError, TypeError, MemoryError) as e:
             # KeyError: a dtype the format allows and torch's reader does not know (F4, F8_E8M0)
             if kind and rel in self.unverified:  # a damaged header: checked, it is named as damaged
                 with self.open(rel) as fd:
@@ -496,6 +503,21 @@ class Reader:
                 f"{self.root}: {rel} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})."
             ) from e
         return found
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on ``device``: a GPU's free memory, or the host's ``MemAvailable``
+    (Linux); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, excerpt
 
+#: the largest model_index.json read
+MAX_INDEX_BYTES = 1 << 16
 #: component -> {class name in model_index.json: how to import it}; nothing else is resolved.
 COMPONENTS: dict[str, dict[str, tuple[str, str]]] = {
     "transformer": {"PRXTransformer2DModel": ("diffusers", "PRXTransformer2DModel")},
@@ -47,12 +49,22 @@ def load_pipeline(path: str | Path, torch_dtype: torch.dtype | None = None):
             f"{root} is not a diffusers PRX folder: model_index.json is missing.",
             "pass the folder that holds model_index.json, transformer/, text_encoder/, ...",
         )
+    if index_file.stat().st_size > MAX_INDEX_BYTES:  # a model_index.json is a few hundred bytes
+        raise ConfigError(f"{index_file} is more than {MAX_INDEX_BYTES} bytes: not a model index.")
     try:
         index = json.loads(index_file.read_text())
     except (ValueError, OSError, RecursionError) as e:
         raise ConfigError(f"{index_file} is not valid JSON ({type(e).__name__}).") from e
     if not isinstance(index, dict) or index.get("_class_name") != "PRXPipeline":
         raise ConfigError(f"{index_file} does not describe a PRXPipeline.")
+    extra = {}
+    if "default_sample_size" in index:
+        size = index["default_sample_size"]
+        if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 4096):
+            raise ConfigError(
+                f"{index_file}: default_sample_size {excerpt(size)} is not an integer in [1, 4096]."
+            )
+        extra["default_sample_size"] = size
     parts: dict[str, Any] = {}
     for name in ("transformer", "scheduler", "text_encoder", "tokenizer", "vae"):
         spec = index.get(name)
@@ -82,9 +94,6 @@ def load_pipeline(path: str | Path, torch_dtype: torch.dtype | None = None):
         else:  # weights from safetensors only
             kw = {"torch_dtype": torch_dtype, "local_files_only": True, "use_safetensors": True}
             parts[name] = cls.from_pretrained(str(sub), **kw)
-    extra = {}
-    if "default_sample_size" in index:
-        extra["default_sample_size"] = index["default_sample_size"]
     with quiet_lora_mixin():
         return PRXPipeline(**parts, **extra)
 
