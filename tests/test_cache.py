@@ -176,3 +176,32 @@ def test_a_cache_directory_given_as_a_link_stores_and_hits(tmp_path, monkeypatch
     entry.symlink_to(moved)  # an entry that is a link is still never followed
     with pytest.raises(ArtifactError, match="symbolic link"):
         run(link)
+
+
+def test_what_an_export_bakes_in_is_in_the_key(tmp_path, caplog):
+    """A setting (an eps) or an attention processor's class is a constant of the engines: another
+    one is another entry (0.31's key held the config only, so a model with a custom processor and a
+    plain one shared an entry, and TensorRT would load the other's engines). Forward hooks are
+    functions no key can name: that set builds without the cache, with a warning."""
+    import logging
+
+    cfg = dict(RANGE, specialize=[[16, 16, 2]], engine_cache_dir=str(tmp_path / "cache"), backend="eager")
+    kw = prx_inputs(make_prx(), h=16, w=16, text=16)
+
+    def key(edit):
+        model = make_prx()
+        edit(model)
+        ct = compile_prx(model, **cfg)
+        ct(**kw, return_dict=False)
+        return ct.cache_hits[0]["key"]
+
+    class Mine(type(make_prx().blocks[1].attention.processor)):
+        pass
+
+    plain = key(lambda m: None)
+    assert key(lambda m: None) == plain
+    assert key(lambda m: setattr(m.blocks[0].img_pre_norm, "eps", 0.5)) not in (plain, None)
+    assert key(lambda m: m.blocks[1].attention.set_processor(Mine())) not in (plain, None)
+    with caplog.at_level(logging.WARNING, logger="prx_compile.io"):
+        assert key(lambda m: m.blocks[0].register_forward_hook(lambda mod, a, out: out)) is None
+    assert "engine cache not used" in caplog.text and "blocks.0 hold forward hooks" in caplog.text

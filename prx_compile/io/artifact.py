@@ -457,7 +457,8 @@ class Reader:
         kind = self._kind(rel) if rel in self.unverified else None  # None: nothing to check
         sums = self.files[rel][kind] if kind else None
         called: list[bool] = []
-        need, free = self.files[rel]["bytes"], available_bytes(torch.device(device))
+        need = self.files.get(rel, {}).get("bytes", 0)  # a file not listed: ``open`` names it
+        free = available_bytes(torch.device(device))
         if free is not None and need > free:  # the file's tensors are made before a byte is checked
             raise ArtifactError(
                 f"{self.root}: {rel} holds {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB "

@@ -2,9 +2,11 @@
 
 An entry is an artifact of kind "cache-entry" (``artifact.py``) holding one backend's state under
 ``<engine_cache_dir>/<key>``. The key covers what engines depend on: the model's architecture
-(its config), the engine set's shapes, the engine-affecting settings (``config.ENGINE_KEYS``, and
-whether this set's linears run in PyTorch: ``range_linears`` for range sets), the
-library versions and the GPU, and, only with ``weights: engine`` (weights baked into engines), the
+(its config, and module by module its class, its plain settings and its attention processor's
+class: what an export bakes in; a model with forward hooks or forwards of its own, functions no key
+can name, builds without the cache), the engine set's shapes, the engine-affecting settings
+(``config.ENGINE_KEYS``, and whether this set's linears run in PyTorch: ``range_linears`` for range
+sets), the library versions and the GPU, and, only with ``weights: engine`` (weights baked into engines), the
 weights themselves. With ``weights: inputs`` a fine-tuned model or a LoRA is a cache hit.
 
 One lock file per key: of several processes asking for the same engines, one builds them and the
@@ -35,6 +37,8 @@ import torch
 from .. import schema
 from ..backends import Backend, backend_class
 from ..errors import ArtifactError
+from ..export import settings
+from ..runtime.watch import hooked
 from ..shapes import ShapeRange
 from . import artifact
 
@@ -117,6 +121,22 @@ def model_config(model: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
 
 
+def modules(model: torch.nn.Module) -> list[list[Any]]:
+    """What an export of ``model`` bakes in besides its config and weights, module by module: its
+    class, its plain settings (an eps: ``export.settings``) and its attention processor's class."""
+
+    def name(cls: type) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    out = []
+    for n, m in model.named_modules():
+        proc = m.__dict__.get("processor")
+        out.append(
+            [n, name(type(m)), sorted(settings(m).items()), None if proc is None else name(type(proc))]
+        )
+    return out
+
+
 def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
     """What the engines of ``backend`` depend on, hashed."""
     cfg = backend.config
@@ -132,6 +152,7 @@ def cache_key(backend: Backend, example: dict[str, torch.Tensor]) -> str:
         "gpu": artifact.gpu() if cfg.backend == "tensorrt" else None,
         "inputs": {k: str(v.dtype) for k, v in sorted(example.items())},
         "format": artifact.FORMAT_VERSION,
+        "modules": modules(backend.model),
     }
     if cfg.weights == "engine" and cfg.backend == "tensorrt":
         material["weights"] = weights_sha256(backend.model)
@@ -148,6 +169,16 @@ def build_through_cache(backend: Backend, example: dict[str, torch.Tensor]) -> t
     except OSError as e:
         raise ArtifactError(f"engine cache: cannot create {root} ({e.strerror}).") from e
     check_trusted(root, follow=True)
+    traced = hooked(backend.model)
+    if traced:  # functions: nothing a key could hold
+        logger.warning(
+            "engine cache not used for %s: %s hold forward hooks or forwards of their own, which an "
+            "entry's key cannot name; built here.",
+            backend.shapes.describe(),
+            ", ".join(traced[:3]),
+        )
+        backend.build(example)
+        return backend, {"key": None, "load_s": None}
     key = cache_key(backend, example)
     entry = root / key
     with artifact.locked(root / f".{key}.build.lock"):

@@ -100,6 +100,13 @@ def signature(model: torch.nn.Module) -> Signature:
     )
 
 
+def hooked(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` with forward hooks or a forward of their own (the library's own hooks
+    aside): code an export traces that no record can name."""
+    internal = model.__dict__.get(INTERNAL_HOOKS, ())
+    return [n or "the transformer" for n, m in model.named_modules() if any(_traced(m, internal)[:3])]
+
+
 def differences(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
     """What an export of ``model`` would trace that ``reference`` (the same class as constructed) has
     not, one entry per module: hooks, a forward set on the module or another processor type
