@@ -37,7 +37,9 @@ def quantize_weight(
     """(N, K) -> ((N, K) float8_e4m3fn, (N,) fp32) with ``weight ~= q * scale[:, None]``, computed on
     ``device`` (None: the weight's) by the activations' row quantisation (``ops.kernels.row_quant_fp8``:
     one pass per row on a GPU, no fp32 copy of the weight)."""
-    w = weight.detach().to(device if device is not None else weight.device, non_blocking=True)
+    # a blocking copy: from pinned host memory (``fp8_masters: host``) an asynchronous one could read
+    # the master after a write the caller makes once this returns
+    w = weight.detach().to(device if device is not None else weight.device)
     q, scale = row_quant_fp8(w)
     return q, scale.view(-1)
 
@@ -124,7 +126,8 @@ def place_masters(transformer: torch.nn.Module, where: str) -> int:
         if not isinstance(module, FP8Linear):
             continue
         weight, device = module.weight, module.weight_fp8.device
-        if where == "host" and device.type != "cpu" and weight.device.type != "cpu":
+        pinned = weight.device.type == "cpu" and weight.is_pinned()  # a cast leaves it unpinned
+        if where == "host" and device.type != "cpu" and not pinned:
             try:
                 data = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
             except RuntimeError as e:
