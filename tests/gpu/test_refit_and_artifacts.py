@@ -90,6 +90,22 @@ def test_engine_cache_hit_follows_the_live_weights(tmp_path):
     assert rel_err(second(**kw, return_dict=False)[0], base) > 1e-2
 
 
+def test_an_edited_setting_is_another_engine_cache_entry(tmp_path):
+    """A norm's eps is a constant of the engines: a model with another one must not load the plain
+    model's engines (0.31's key held the config only)."""
+    cfg = dict(static=True, specialize=[[512, 512, 2]], engine_cache_dir=str(tmp_path / "cache"), **RANGE)
+    plain = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    kw = inputs(plain)
+    compile_prx(plain, **cfg)(**kw, return_dict=False)
+    edited = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
+    edited.final_layer.norm_final.eps = 0.5
+    ct = compile_prx(edited, **cfg)
+    out = ct(**kw, return_dict=False)[0]
+    assert ct.cache_hits[0]["load_s"] is None  # built, not the plain model's entry
+    assert rel_err(out, eager(edited, kw)) < 2e-2
+    assert rel_err(eager(edited, kw), eager(plain, kw)) > 1e-2  # the edit shows in the output
+
+
 def test_a_loaded_artifact_deserialises_each_engine_set_at_its_first_call(tmp_path):
     model = make_prx(SMALL_PRX, dtype=torch.bfloat16, device="cuda")
     ct = compile_prx(model, specialize=[[512, 512, 2]], **RANGE).build()  # a static set and the range
