@@ -200,8 +200,32 @@ def test_what_an_export_bakes_in_is_in_the_key(tmp_path, caplog):
 
     plain = key(lambda m: None)
     assert key(lambda m: None) == plain
+    assert key(lambda m: setattr(m, "lora_scale", 0.7)) == plain  # diffusers' fuse_lora leaves it: no setting
     assert key(lambda m: setattr(m.blocks[0].img_pre_norm, "eps", 0.5)) not in (plain, None)
     assert key(lambda m: m.blocks[1].attention.set_processor(Mine())) not in (plain, None)
     with caplog.at_level(logging.WARNING, logger="prx_compile.io"):
         assert key(lambda m: m.blocks[0].register_forward_hook(lambda mod, a, out: out)) is None
     assert "engine cache not used" in caplog.text and "blocks.0 hold forward hooks" in caplog.text
+
+
+def test_settings_read_a_list_as_the_tuple_python_code_gives():
+    """A config read from JSON gives lists where Python code gives tuples (FLUX's ``axes_dims_rope``):
+    one model, one key."""
+    import torch
+
+    from prx_compile.export import settings
+
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.axes, b.axes = (16, 56, 56), [16, 56, 56]
+    b.big = list(range(100))  # long lists are no setting
+    assert settings(a) == settings(b) == {"axes": (16, 56, 56)}
+
+
+def test_the_memory_of_a_device_this_machine_lacks_is_unknown():
+    import torch
+
+    from prx_compile.io.artifact import available_bytes
+
+    if not torch.cuda.is_available():
+        assert available_bytes(torch.device("cuda:5")) is None
+    assert available_bytes(torch.device("cpu")) > 0

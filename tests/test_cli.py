@@ -476,9 +476,9 @@ def test_lora_files_on_the_command_line(tmp_path):
         ('{"_class_name": "PRXPipeline", "x": "' + "a" * (1 << 16) + '"}', "more than 65536 bytes"),
         (
             '{"_class_name": "PRXPipeline", "default_sample_size": 1e300}',
-            "default_sample_size 1e[+]300 is not",
+            "default_sample_size 1e[+]300 is not null or",
         ),
-        ('{"_class_name": "PRXPipeline", "default_sample_size": true}', "default_sample_size True is not"),
+        ('{"_class_name": "PRXPipeline", "default_sample_size": true}', "size True is not null or"),
     ],
 )
 def test_a_hostile_model_index_is_one_line(tmp_path, index, match):

@@ -49,22 +49,34 @@ logger = logging.getLogger(__name__)
 
 
 _SCALARS = (int, float, bool, str, type(None))
-#: public attributes that change no export: ``training`` (the engines run inference whatever it says)
-#: and diffusers' ``gradient_checkpointing`` (it acts only with autograd on; an export runs without)
-NOT_SETTINGS = frozenset({"training", "gradient_checkpointing"})
+#: public attributes that change no export: ``training`` (the engines run inference whatever it says),
+#: diffusers' ``gradient_checkpointing`` (it acts only with autograd on; an export runs without) and
+#: ``lora_scale`` (what diffusers' ``fuse_lora`` last fused with; no forward reads it)
+NOT_SETTINGS = frozenset({"training", "gradient_checkpointing", "lora_scale"})
 
 
-def _plain(value: Any) -> bool:
-    return isinstance(value, _SCALARS) or (
-        isinstance(value, tuple) and len(value) <= 16 and all(isinstance(x, _SCALARS) for x in value)
-    )
+def _plain(value: Any) -> Any:
+    """``value`` as a setting (a list of scalars as a tuple: a config read from JSON gives lists where
+    Python code gives tuples), or ``_NOT_PLAIN``."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) <= 16 and all(isinstance(x, _SCALARS) for x in value):
+        return tuple(value)
+    return _NOT_PLAIN
+
+
+_NOT_PLAIN = object()
 
 
 def settings(m: torch.nn.Module) -> dict[str, Any]:
     """A module's plain settings: its public attributes that hold a number, a string, None or a short
-    tuple of those (an ``eps``, RoPE's ``theta``, ``head_dim``, ``normalized_shape``), which an export
-    bakes into the graph as constants; ``NOT_SETTINGS`` left out."""
-    return {k: v for k, v in m.__dict__.items() if k[0] != "_" and k not in NOT_SETTINGS and _plain(v)}
+    tuple or list of those (an ``eps``, RoPE's ``theta`` and axes, ``head_dim``, ``normalized_shape``),
+    which an export bakes into the graph as constants; ``NOT_SETTINGS`` left out."""
+    out = {}
+    for k, v in m.__dict__.items():
+        if k[0] != "_" and k not in NOT_SETTINGS and (p := _plain(v)) is not _NOT_PLAIN:
+            out[k] = p
+    return out
 
 
 @torch.library.custom_op("prx_compile::block_boundary", mutates_args=())

@@ -507,16 +507,17 @@ class Reader:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device``: a GPU's free memory, or the host's ``MemAvailable``
-    (Linux); None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    """Memory free for new tensors on ``device``: a GPU's free memory and what PyTorch's allocator holds
+    unused, or the host's ``MemAvailable`` (Linux); None where it cannot be read."""
     try:
+        if device.type == "cuda":  # what PyTorch holds unused is free for it too
+            unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return torch.cuda.mem_get_info(device)[0] + unused
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, RuntimeError, AssertionError):  # a device index it lacks
         pass
     return None
 

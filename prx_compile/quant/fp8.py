@@ -115,6 +115,10 @@ def install(transformer: torch.nn.Module, targets: re.Pattern) -> int:
     return count
 
 
+def _pinned(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_pinned()
+
+
 def place_masters(transformer: torch.nn.Module, where: str) -> int:
     """Keep the ``FP8Linear`` masters (``weight``) where ``fp8_masters`` says: "host", pinned CPU
     memory (when their FP8 copies are on a GPU); "device", beside the FP8 copies. Each moved weight
@@ -126,8 +130,7 @@ def place_masters(transformer: torch.nn.Module, where: str) -> int:
         if not isinstance(module, FP8Linear):
             continue
         weight, device = module.weight, module.weight_fp8.device
-        pinned = weight.device.type == "cpu" and weight.is_pinned()  # a cast leaves it unpinned
-        if where == "host" and device.type != "cpu" and not pinned:
+        if where == "host" and device.type != "cpu" and not _pinned(weight):  # a cast unpins it
             try:
                 data = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)
             except RuntimeError as e:

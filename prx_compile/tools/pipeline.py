@@ -49,20 +49,26 @@ def load_pipeline(path: str | Path, torch_dtype: torch.dtype | None = None):
             f"{root} is not a diffusers PRX folder: model_index.json is missing.",
             "pass the folder that holds model_index.json, transformer/, text_encoder/, ...",
         )
-    if index_file.stat().st_size > MAX_INDEX_BYTES:  # a model_index.json is a few hundred bytes
+    try:
+        with open(index_file, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{index_file} cannot be read ({type(e).__name__}).") from e
+    if len(raw) > MAX_INDEX_BYTES:  # a model_index.json is a few hundred bytes
         raise ConfigError(f"{index_file} is more than {MAX_INDEX_BYTES} bytes: not a model index.")
     try:
-        index = json.loads(index_file.read_text())
-    except (ValueError, OSError, RecursionError) as e:
+        index = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise ConfigError(f"{index_file} is not valid JSON ({type(e).__name__}).") from e
     if not isinstance(index, dict) or index.get("_class_name") != "PRXPipeline":
         raise ConfigError(f"{index_file} does not describe a PRXPipeline.")
     extra = {}
     if "default_sample_size" in index:
-        size = index["default_sample_size"]
-        if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 4096):
+        size = index["default_sample_size"]  # diffusers writes null where it was not set
+        ok = size is None or (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 4096)
+        if not ok:
             raise ConfigError(
-                f"{index_file}: default_sample_size {excerpt(size)} is not an integer in [1, 4096]."
+                f"{index_file}: default_sample_size {excerpt(size)} is not null or an integer in [1, 4096]."
             )
         extra["default_sample_size"] = size
     parts: dict[str, Any] = {}
