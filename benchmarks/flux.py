@@ -145,12 +145,12 @@ def main() -> None:
     )
     for flag, what in (
         ("--fp8-inputs", "the fp8 part's fp8_inputs settings (off: one quantisation per FP8 linear, 0.29)"),
-        ("--fp8-norm", "the fp8 part's fp8_norm settings (off: 0.30's graph, the norms written by engines)"),
+        ("--fp8-norm", "the fp8 part's fp8_norm settings (on: norms made in the quantisation; default off)"),
         ("--linear-glue", "the bf16 part's linear_glue settings (off: 0.29's graph, GELUs and concatenations "
          "in engines); the lora, pipeline, saveload and profile parts take the first"),
     ):  # fmt: skip
         ap.add_argument(
-            flag, nargs="+", default=["on"], choices=["on", "off"],
+            flag, nargs="+", default=["off" if flag == "--fp8-norm" else "on"], choices=["on", "off"],
             help=f"{what}: one record each (fp8: for every other fp8 setting); the timeline takes the first",
         )  # fmt: skip
     ap.add_argument("--weights", choices=list(WEIGHTS), default="constructed", help="see common.WEIGHTS")
@@ -285,7 +285,7 @@ def main() -> None:
         label = "compile_transformer[flux-1024-fp8]" + (
             "" if masters == "device" else f" fp8_masters={masters}"
         )
-        label += ("" if inputs == "on" else " fp8_inputs=off") + ("" if norm == "on" else " fp8_norm=off")
+        label += ("" if inputs == "on" else " fp8_inputs=off") + ("" if norm == "off" else " fp8_norm=on")
         fp8 = dict(fp8_masters=masters, fp8_inputs=inputs == "on", fp8_norm=norm == "on")
         ours = compile_transformer(m, config="flux-1024-fp8", **fp8, **overrides)
         records.append(record(label, ours, kw, ref_out, base_gb, args.iters))

@@ -20,7 +20,7 @@ ms/step and the error against bf16 eager. Parts (each path appended in this orde
          bf16 kernels measured, the fastest runs); with ``--ablations`` also the preset with
          ``fp8_attention: true`` and with ``false``; with ``--fp8-masters host`` also the preset
          with its exact weights in pinned host memory (device memory in ``extra``); with
-         ``--fp8-norm-off`` also the preset with ``fp8_norm: false``
+         ``--fp8-norm-on`` also the preset with ``fp8_norm: true``
   whole  ``torch.compile(model)``
   profile  the kernels of one step at 1024² b2 by category (CUDA graphs off, torch.profiler) for
          the compile_prx variants of the parts asked for (``profile`` alone: eager's rows only, and
@@ -105,7 +105,7 @@ def paths(
     ablations: bool,
     pixel: bool = False,
     masters: tuple[str, ...] = (),
-    norm_off: bool = False,
+    norm_on: bool = False,
 ) -> dict:
     out: dict = {"eager": lambda m: m}
     bf16, fp8 = ("prx-pixel-1024-bf16", "prx-pixel-1024-fp8") if pixel else (None, "prx-1024-fp8")
@@ -123,8 +123,8 @@ def paths(
         out[f"compile_prx[{fp8}]"] = compile_path(fp8)
         for where in masters:
             out[f"compile_prx[{fp8}, fp8_masters: {where}]"] = compile_path(fp8, fp8_masters=where)
-        if norm_off:
-            out[f"compile_prx[{fp8}, fp8_norm: false]"] = compile_path(fp8, fp8_norm=False)
+        if norm_on:
+            out[f"compile_prx[{fp8}, fp8_norm: true]"] = compile_path(fp8, fp8_norm=True)
         if ablations:
             out[f"compile_prx[{fp8}, fp8_attention: true]"] = compile_path(fp8, fp8_attention=True)
             out[f"compile_prx[{fp8}, fp8_attention: false]"] = compile_path(fp8, fp8_attention=False)
@@ -157,9 +157,9 @@ def main() -> None:
         help="the 7B's weights (common.WEIGHTS); the 1.17 B's are always make_prx's (constructed)",
     )
     ap.add_argument(
-        "--fp8-norm-off",
+        "--fp8-norm-on",
         action="store_true",
-        help="fp8: also the preset with fp8_norm: false (0.30: the modulated norms written by engines)",
+        help="fp8: also the preset with fp8_norm: true (the modulated norms made in the quantisation)",
     )
     ap.add_argument(
         "--reference-fp32",
@@ -174,7 +174,7 @@ def main() -> None:
     shapes = (PIXEL_SHAPES if pixel else SHAPES)[: args.shapes]
     res = run_bench(
         shapes,
-        paths(args.parts, args.ablations, pixel, tuple(args.fp8_masters), args.fp8_norm_off),
+        paths(args.parts, args.ablations, pixel, tuple(args.fp8_masters), args.fp8_norm_on),
         model=model,
         out_json=args.out,
         reference_fp32=args.reference_fp32,

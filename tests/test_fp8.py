@@ -194,7 +194,9 @@ def test_compiled_fp8_matches_the_fp8_model_and_stays_close_to_full_precision(ba
     model = make_prx()
     kw = prx_inputs(model, h=16, w=16)
     full = eager(model, kw)
-    ct = compile_prx(model, backend=backend, precision="fp8", fp8_mlp=fp8_mlp, fp8_attention=False, **RANGE)
+    ct = compile_prx(
+        model, backend=backend, precision="fp8", fp8_mlp=fp8_mlp, fp8_norm=True, fp8_attention=False, **RANGE
+    )
     assert fp8.fp8_modules(model) == 6 * len(model.blocks)
     out = ct(**kw, return_dict=False)[0]
     torch.testing.assert_close(out, eager(model, kw), rtol=0, atol=1e-5)
