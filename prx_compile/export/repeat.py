@@ -53,6 +53,7 @@ _SCALARS = (int, float, bool, str, type(None))
 #: diffusers' ``gradient_checkpointing`` (it acts only with autograd on; an export runs without) and
 #: ``lora_scale`` (what diffusers' ``fuse_lora`` last fused with; no forward reads it)
 NOT_SETTINGS = frozenset({"training", "gradient_checkpointing", "lora_scale"})
+_NOT_PLAIN = object()
 
 
 def _plain(value: Any) -> Any:
@@ -63,9 +64,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)) and len(value) <= 16 and all(isinstance(x, _SCALARS) for x in value):
         return tuple(value)
     return _NOT_PLAIN
-
-
-_NOT_PLAIN = object()
 
 
 def settings(m: torch.nn.Module) -> dict[str, Any]:

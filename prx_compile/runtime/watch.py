@@ -32,6 +32,7 @@ import itertools
 import operator
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -122,10 +123,14 @@ def differences(model: torch.nn.Module, reference: torch.nn.Module) -> list[str]
             continue
         if _kinds(_traced(m, internal)) != _kinds(_traced(r, ())):
             out.append(f"{name or 'the transformer'} (hooks, forward or processor)")
-        a, b = settings(m), settings(r)
-        keys = sorted(k for k in a.keys() | b.keys() if a.get(k, _GONE) != b.get(k, _GONE))
-        out += [f"{name}.{k}" if name else k for k in keys]
+        out += _edited(name, settings(m), settings(r))
     return out
+
+
+def _edited(module: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``<module>.<name>`` for each setting that differs between ``a`` and ``b`` (one there only too)."""
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k, _GONE) != b.get(k, _GONE))
+    return [f"{module}.{k}" if module else k for k in keys]
 
 
 @dataclass
@@ -194,9 +199,7 @@ def changes(old: Signature, new: Signature) -> Changes:
         )
     edited = []
     for n in sorted(old.settings.keys() & new.settings.keys()):
-        a, b = dict(old.settings[n]), dict(new.settings[n])
-        keys = [k for k in a.keys() | b.keys() if a.get(k, _GONE) != b.get(k, _GONE)]
-        edited += [f"{n}.{k}" if n else k for k in sorted(keys)]
+        edited += _edited(n, dict(old.settings[n]), dict(new.settings[n]))
     if edited:
         out.structure.append(f"settings changed: {_some(edited)}")
     return out
