@@ -121,8 +121,9 @@ class CompileConfig:
     fp8_norm: with ``precision: fp8``, an FP8 input made by a modulated layer norm (``norm(x) * (1 +
         scale) + shift``: PRX's and FLUX.1's blocks) is made in the quantising pass that reads it,
         instead of by an engine writing it in bf16. Off by default: on an H100 it saved 0.33 ms of
-        89.8 (the 7B) and its e4m3 codes differed from torch's composition in 3.8 % of places, a
-        rounding order not yet explained (``docs/fp8.md``).
+        89.8 (the 7B), and its e4m3 codes differ from torch's composition in about 4 % of places:
+        compiled, it behaves as if its multiply and add fused and rounded once where torch rounds
+        twice (as exact or more, ``docs/fp8.md``).
     fp8_attention: with ``precision: fp8`` and ``attention: fused``, whether PRX's joint attention may
         run on FP8 tensor cores (``prx_attention_fp8``: Q, K, V and the probabilities in e4m3, one
         scale per block of tokens and head, computed on the device; with the ``cudnn`` extra also

@@ -426,8 +426,11 @@ def _row_quant_kernel():
         codes and the row's scale. A GELU is rounded to the input dtype, as torch's gelu writes it:
         x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)). NORM (a alone): the row is first
         layer_norm(a, eps) * mult[row // L] + shift[row // L], mult and shift (B, KA) contiguous,
-        each of the three rounded to the input dtype as torch's ops write them. Helpers are written
-        out: the CPU interpreter does not resolve a nested jit function."""
+        each of the three rounded to the input dtype as torch's ops write them in the source; compiled,
+        the product's rounding does not survive (as if the multiply and the add fused: about
+        4 % of the codes differ from torch's, the error against the exact value no larger,
+        ``benchmarks/results/norm_rounding_v33_h100.json``). Helpers are written out: the CPU
+        interpreter does not resolve a nested jit function."""
         row = tl.program_id(0)
         ca = tl.arange(0, BKA)
         xa = tl.load(a + row * stride_a + ca, mask=ca < KA, other=0.0)

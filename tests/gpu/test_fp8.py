@@ -62,21 +62,42 @@ def test_triton_rows_quant_equals_the_torch_one(widths, gelu):
     assert same_codes(*rows_quant_fp8(parts, list(gelu)), *rows_quant_fp8_torch(parts, list(gelu)))
 
 
+def _modulated_norm_f64(x, mult, shift):
+    """layer_norm(x) * mult + shift per batch of rows, in float64 without a rounding: (M, K) rows,
+    mult and shift (B, K) or (B, 1, K) for x (B * L, K) or (B, L, K)."""
+    k = x.shape[-1]
+    y = torch.nn.functional.layer_norm(x.double(), (k,), eps=1e-6)
+    b = mult.shape[0]
+    y = y.reshape(b, -1, k) * mult.reshape(b, 1, k).double() + shift.reshape(b, 1, k).double()
+    return y.reshape(x.shape)
+
+
 @pytest.mark.parametrize("k,batch", [(3072, 2), (1792, 1), (64, 3)])
-def test_triton_norm_quant_equals_the_torch_one(k, batch):
-    """One pass over layer_norm(x) * mult + shift per batch row (a block's modulated norm): the
-    norm's statistics are summed in another order than torch's, so a bf16 rounding may move; the
-    scales agree to that and the codes but for a few."""
+def test_triton_norm_quant_is_as_exact_as_the_torch_one(k, batch):
+    """One pass over layer_norm(x) * mult + shift per batch row (a block's modulated norm). Torch's
+    composition rounds the product to bf16 before the shift is added; in the compiled kernel that
+    rounding does not survive (as if the multiply and the add fused): with the shift zero the codes agree,
+    with a shift about a fifth of the rows take their largest element one bf16 step away, so their
+    scale, and 3.6-4.1 % of the codes move by one step (``benchmarks/probes/norm_rounding.py``,
+    ``norm_rounding_v33_h100.json``). One rounding fewer: the kernel is at least as close to the
+    exact value as torch's composition."""
     x = torch.randn(batch * 150, k, device="cuda", dtype=torch.bfloat16) * 3 + 1
     mult, shift = (torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     norm = (1 + mult, shift, 1e-6)
     (q, s), (q_ref, s_ref) = rows_quant_fp8([x], [False], norm), rows_quant_fp8_torch([x], [False], norm)
-    torch.testing.assert_close(s, s_ref, rtol=2**-7, atol=0)
-    assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 1e-2
-    assert rel_err(q.float() * s, q_ref.float() * s_ref) < 1e-2
+    torch.testing.assert_close(s, s_ref, rtol=2**-7, atol=0)  # a row's largest element, one bf16 step
+    assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 0.08
+    exact = _modulated_norm_f64(x, 1 + mult, shift)
+    assert rel_err(q.double() * s, exact) <= 1.01 * rel_err(q_ref.double() * s_ref, exact)
+    no_shift = (1 + mult, torch.zeros_like(shift), 1e-6)
+    q0, q0_ref = rows_quant_fp8([x], [False], no_shift)[0], rows_quant_fp8_torch([x], [False], no_shift)[0]
+    assert (q0.view(torch.uint8) != q0_ref.view(torch.uint8)).float().mean() < 1e-2
 
 
-def test_fp8_ops_with_a_norm_on_cuda_match_the_composition():
+def test_fp8_ops_with_a_norm_on_cuda_are_as_exact_as_the_composition():
+    """The FP8 ops that make their input's modulated norm against the ops over torch's norm: their
+    outputs differ by what the norm's codes do (1.34e-2 in 0.32's run), and against the GEMM over the
+    exact norm neither is closer."""
     x = torch.randn(2, 300, 1792, device="cuda", dtype=torch.bfloat16) * 2
     m, sh = (torch.randn(2, 1, 1792, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ref = torch.nn.functional.layer_norm(x, (1792,), eps=1e-6) * m + sh
@@ -85,9 +106,12 @@ def test_fp8_ops_with_a_norm_on_cuda_match_the_composition():
     d8, ds = fp8.quantize_weight(torch.randn(1792, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     lin, lins = torch.ops.prx_compile.fp8_linear, torch.ops.prx_compile.fp8_linears
     (out,) = lins([x], [False], [w0], [s0], [None], m, sh, 1e-6)
-    assert rel_err(out, lin(ref, w0, s0, None)) < 1e-2  # the same GEMM; a code may differ here and there
+    composed = lin(ref, w0, s0, None)
+    assert rel_err(out, composed) < 3e-2
+    exact = _modulated_norm_f64(x, m, sh) @ (w0.double() * s0.double()[:, None]).T
+    assert rel_err(out.double(), exact) <= 1.05 * rel_err(composed.double(), exact)
     mlp = torch.ops.prx_compile.fp8_gated_mlp
-    assert rel_err(mlp(x, w0, s0, w1, s1, d8, ds, m, sh, 1e-6), mlp(ref, w0, s0, w1, s1, d8, ds)) < 1e-2
+    assert rel_err(mlp(x, w0, s0, w1, s1, d8, ds, m, sh, 1e-6), mlp(ref, w0, s0, w1, s1, d8, ds)) < 3e-2
 
 
 def test_fp8_linears_on_cuda_match_fp8_linear_over_the_concatenation():
